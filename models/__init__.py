@@ -1,0 +1,1 @@
+"""Reference models for tfmulti, each an ordered list of blocks and one keras.Model."""

@@ -1,0 +1,25 @@
+"""Install tfmulti: multi-device training for Keras 3 on TensorFlow."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="tfmulti",
+    version="0.1.0",
+    description="Data, model, pipeline and tensor parallelism for Keras 3 on TensorFlow.",
+    python_requires=">=3.10",
+    packages=find_packages(include=["tfmulti", "tfmulti.*", "models", "models.*"]),
+    install_requires=[
+        "tensorflow>=2.20,<2.22",
+        "keras>=3.10,<3.16",
+        "tensorboard>=2.20",
+        "tensorboard-plugin-profile>=2.20",
+        "absl-py>=2.1",
+        "numpy>=1.26",
+        "scikit-learn>=1.4",
+        "matplotlib>=3.8",
+    ],
+    extras_require={
+        "gpu": ["tensorflow[and-cuda]>=2.20,<2.22"],
+        "dev": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff>=0.6"],
+    },
+)

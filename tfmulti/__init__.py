@@ -1,0 +1,22 @@
+"""tfmulti: train Keras 3 models on many devices with TensorFlow.
+
+Public names load lazily so that `tfmulti.pipeline`'s planning modules can be
+imported without TensorFlow.
+"""
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY_EXPORTS = {}
+
+
+def __getattr__(name):
+    module_name = _LAZY_EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'tfmulti' has no attribute {name!r}")
+    return getattr(importlib.import_module(module_name), name)
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY_EXPORTS))
