@@ -1,0 +1,78 @@
+"""Logical devices: split one physical device into N before TensorFlow initialises.
+
+This is how every multi-device path runs on a machine with one CPU or one GPU;
+on a machine with enough real accelerators nothing is split.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+class DeviceConfigurationError(ValueError):
+    """Raised when logical devices cannot be set up as asked."""
+
+
+def accelerator_type() -> str:
+    """Returns "GPU" when TensorFlow sees a GPU, else "CPU"."""
+    return "GPU" if tf.config.list_physical_devices("GPU") else "CPU"
+
+
+def configure_logical_devices(
+    num_devices: int,
+    device_type: str | None = None,
+    memory_limit_mb: int = 1024,
+) -> list[str]:
+    """Makes `num_devices` logical devices of `device_type` and returns their names.
+
+    Args:
+        num_devices: how many logical devices are wanted (>= 1).
+        device_type: "CPU" or "GPU"; defaults to GPU when one is present.
+        memory_limit_mb: memory of each logical GPU when one GPU is split
+            (TensorFlow requires a limit for virtual GPUs; ignored for CPU).
+
+    Returns:
+        The logical device names, e.g. ["/job:localhost/replica:0/task:0/device:CPU:0", ...].
+
+    Raises:
+        DeviceConfigurationError: TensorFlow was already initialised with a
+            different device layout, or there is no device of that type.
+
+    Example:
+        >>> configure_logical_devices(4)  # before any other TensorFlow work
+    """
+    if num_devices < 1:
+        raise DeviceConfigurationError(
+            f"num_devices must be >= 1. Received: num_devices={num_devices}"
+        )
+    device_type = (device_type or accelerator_type()).upper()
+    physical = tf.config.list_physical_devices(device_type)
+    if not physical:
+        raise DeviceConfigurationError(
+            f"No physical {device_type} device is visible. Received: device_type={device_type!r}"
+        )
+    if device_type == "GPU" and len(physical) >= num_devices:
+        return [device.name for device in tf.config.list_logical_devices("GPU")][:num_devices]
+
+    memory_limit = memory_limit_mb if device_type == "GPU" else None
+    config = [
+        tf.config.LogicalDeviceConfiguration(memory_limit=memory_limit) for _ in range(num_devices)
+    ]
+    try:
+        tf.config.set_logical_device_configuration(physical[0], config)
+    except RuntimeError as error:
+        existing = tf.config.list_logical_devices(device_type)
+        if len(existing) >= num_devices:
+            return [device.name for device in existing][:num_devices]
+        raise DeviceConfigurationError(
+            f"TensorFlow is already initialised with {len(existing)} logical {device_type} "
+            f"device(s), so {num_devices} cannot be made now. Configure logical devices "
+            "before creating any tensor, model or strategy."
+        ) from error
+    return [device.name for device in tf.config.list_logical_devices(device_type)]
+
+
+def logical_device_names(device_type: str | None = None) -> list[str]:
+    """Returns the names of the logical devices of `device_type` (default: accelerator)."""
+    device_type = (device_type or accelerator_type()).upper()
+    return [device.name for device in tf.config.list_logical_devices(device_type)]
