@@ -1,0 +1,43 @@
+"""`TrainConfig`: every setting of a training run, as plain values.
+
+Scripts build one from flags; library code never reads flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+DTYPE_POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
+OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "rmsprop")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Settings of one training run; see `scripts/train.py --help` for each."""
+
+    strategy: str = "mirrored"
+    num_devices: int | None = None
+    all_reduce: str = "auto"
+    model: str = "mlp"
+    model_options: dict = dataclasses.field(default_factory=dict)
+    dataset: str = "digits"
+    data_path: str | None = None
+    batch_size: int = 64
+    epochs: int = 5
+    steps_per_epoch: int | None = None
+    validation_steps: int | None = None
+    optimizer: str = "adam"
+    learning_rate: float = 1e-3
+    seed: int = 0
+    model_dir: str = "runs/default"
+    dtype: str = "float32"
+    jit_compile: bool = False
+    steps_per_execution: int = 1
+    profile_steps: tuple[int, int] | None = None
+    log_steps: int = 50
+    resume: bool = False
+    keep_checkpoints: int = 3
+    multi_worker: dict = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,9 @@
+"""The names users pick from on the command line, kept free of TensorFlow imports.
+
+The modules that implement each name check against these tuples in tests.
+"""
+
+STRATEGY_NAMES = ("one_device", "mirrored", "multi_worker")
+ALL_REDUCE_NAMES = ("auto", "nccl", "hierarchical_copy", "reduce_to_one_device")
+MODEL_NAMES = ("mlp", "convnet", "resnet", "transformer")
+DATASET_NAMES = ("synthetic", "digits", "npz", "tfrecord", "tokens")

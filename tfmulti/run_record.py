@@ -1,0 +1,77 @@
+"""`metrics.json`: the machine-readable record of a training run.
+
+Keys:
+    run: the run's settings (strategy, replicas, batch sizes, model, dataset, ...).
+    status: "running", "completed" or "failed".
+    failure: why the run failed, or null.
+    epochs: one record per completed epoch, each exactly once even across
+        resumes: {"epoch", "loss", metric names, "val_loss", "val_<metric>",
+        "learning_rate", "examples_per_sec", "step_time_ms", "epoch_seconds"}.
+    final: the last evaluation on the validation data ({"loss", metrics}).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import keras
+
+from tfmulti.files import write_json_atomically
+
+METRICS_FILE = "metrics.json"
+
+
+def _plain(value):
+    number = float(value)
+    return number if math.isfinite(number) else str(number)
+
+
+class RunRecord:
+    """Holds and atomically rewrites `metrics.json` in `directory`.
+
+    Args:
+        directory: where `metrics.json` is written (None: keep in memory only,
+            as non-chief workers do).
+        run: the run's settings, stored under "run".
+        resume_from_epoch: epochs before this one are kept from an existing
+            file; later ones are dropped, since they will be trained again.
+    """
+
+    def __init__(self, directory: str | None, run: dict, resume_from_epoch: int = 0):
+        self.path = os.path.join(directory, METRICS_FILE) if directory else None
+        epochs = []
+        if resume_from_epoch and self.path and os.path.exists(self.path):
+            with open(self.path) as handle:
+                epochs = [e for e in json.load(handle)["epochs"] if e["epoch"] <= resume_from_epoch]
+        self.record = {"run": run, "status": "running", "failure": None, "epochs": epochs}
+        self.record["final"] = {}
+        self.write()
+
+    def add_epoch(self, epoch: int, logs: dict) -> None:
+        self.record["epochs"].append(
+            {"epoch": epoch, **{name: _plain(value) for name, value in logs.items()}}
+        )
+        self.write()
+
+    def finish(self, final: dict, failure: str | None = None) -> None:
+        self.record["final"] = {name: _plain(value) for name, value in final.items()}
+        self.record["status"] = "failed" if failure else "completed"
+        self.record["failure"] = failure
+        self.write()
+
+    def write(self) -> None:
+        if self.path:
+            write_json_atomically(self.path, self.record)
+
+
+class RecordEpochs(keras.callbacks.Callback):
+    """Appends every finished epoch's logs to a `RunRecord`."""
+
+    def __init__(self, record: RunRecord):
+        super().__init__()
+        self.record = record
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.record.add_epoch(epoch + 1, logs or {})

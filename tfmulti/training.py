@@ -1,0 +1,149 @@
+"""Runs a whole training job from a `TrainConfig`: data, model, strategy, callbacks, records."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import keras
+from absl import logging
+
+from tfmulti import data as data_lib
+from tfmulti.callbacks import StopOnNonFiniteLoss, ThroughputLogger
+from tfmulti.checkpointing import EpochCheckpoint, latest_checkpoint
+from tfmulti.config import TrainConfig
+from tfmulti.errors import TrainingError
+from tfmulti.profiling import ProfileSteps
+from tfmulti.run_record import METRICS_FILE, RecordEpochs, RunRecord
+from tfmulti.strategy import get_strategy, per_replica_batch_size
+
+
+def build_optimizer(name: str, learning_rate: float) -> keras.optimizers.Optimizer:
+    """Returns a Keras optimizer by name ("sgd", "adam", ...) with `learning_rate`."""
+    return keras.optimizers.get({"class_name": name, "config": {"learning_rate": learning_rate}})
+
+
+def compile_model(model: keras.Model, config: TrainConfig, info: data_lib.DataInfo) -> None:
+    """Compiles `model` for the task in `info` with the optimizer and settings of `config`."""
+    model.compile(
+        optimizer=build_optimizer(config.optimizer, config.learning_rate),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+        jit_compile=config.jit_compile,
+        steps_per_execution=config.steps_per_execution,
+    )
+
+
+def check_model_dir(model_dir: str, resume: bool) -> int:
+    """Returns the epoch a resumed run restarts after (0 for a fresh run).
+
+    Refuses to reuse a directory that already holds a run unless `resume` is
+    set, so nothing written before is overwritten by accident.
+    """
+    backup_metadata = os.path.join(model_dir, "backup", "training_metadata.json")
+    has_run = os.path.exists(os.path.join(model_dir, METRICS_FILE))
+    if has_run and not resume:
+        raise ValueError(
+            f"--model_dir={model_dir} already holds a run. Pass --resume to continue it "
+            "or choose a new --model_dir."
+        )
+    if resume and os.path.exists(backup_metadata):
+        with open(backup_metadata) as handle:
+            return int(json.load(handle)["epoch"])
+    return 0
+
+
+def standard_callbacks(
+    config: TrainConfig, output_dir: str, record: RunRecord
+) -> tuple[list[keras.callbacks.Callback], StopOnNonFiniteLoss]:
+    """Returns the callbacks every tfmulti run uses, and the NaN guard among them."""
+    logs_dir = os.path.join(output_dir, "logs")
+    nan_guard = StopOnNonFiniteLoss()
+    callbacks = [
+        nan_guard,
+        ThroughputLogger(
+            config.batch_size, log_steps=config.log_steps, log_dir=os.path.join(logs_dir, "train")
+        ),
+        keras.callbacks.BackupAndRestore(
+            os.path.join(output_dir, "backup"), delete_checkpoint=False, double_checkpoint=True
+        ),
+        EpochCheckpoint(os.path.join(output_dir, "checkpoints"), keep=config.keep_checkpoints),
+        RecordEpochs(record),
+        keras.callbacks.TensorBoard(logs_dir, profile_batch=0),
+    ]
+    if config.profile_steps:
+        callbacks.append(ProfileSteps(os.path.join(logs_dir, "train"), config.profile_steps))
+    return callbacks, nan_guard
+
+
+def train(config: TrainConfig) -> dict:
+    """Trains the model described by `config` and returns the `metrics.json` record.
+
+    Raises:
+        ValueError: a setting is invalid (the message names it and the fix).
+        TrainingError: training diverged; the last good checkpoint is kept.
+    """
+    keras.utils.set_random_seed(config.seed)
+    keras.mixed_precision.set_dtype_policy(config.dtype)
+    strategy = get_strategy(
+        config.strategy, config.num_devices, config.all_reduce, **config.multi_worker
+    )
+    replicas = strategy.num_replicas_in_sync
+    per_replica = per_replica_batch_size(config.batch_size, replicas)
+    output_dir = config.model_dir
+    resume_epoch = check_model_dir(output_dir, config.resume)
+
+    train_data, validation_data, info = data_lib.make_datasets(
+        config.dataset,
+        config.batch_size,
+        seed=config.seed,
+        data_path=config.data_path,
+        **data_lib.options_for_model(config.model, config.model_options),
+    )
+    with strategy.scope():
+        from models import registry
+
+        model = registry.build_model(
+            config.model, info.input_shape, info.num_classes, config.seed, **config.model_options
+        )
+        compile_model(model, config, info)
+
+    run = {
+        **config.to_dict(),
+        "num_replicas": replicas,
+        "per_replica_batch_size": per_replica,
+        "parameters": model.count_params(),
+    }
+    record = RunRecord(output_dir, run, resume_from_epoch=resume_epoch)
+    callbacks, nan_guard = standard_callbacks(config, output_dir, record)
+    logging.info(
+        "Training %s on %s: %s over %d replica(s), global batch %d (%d per replica).",
+        config.model,
+        config.dataset,
+        config.strategy,
+        replicas,
+        config.batch_size,
+        per_replica,
+    )
+    model.fit(
+        train_data,
+        validation_data=validation_data,
+        epochs=config.epochs,
+        steps_per_epoch=config.steps_per_epoch,
+        validation_steps=config.validation_steps,
+        callbacks=callbacks,
+        verbose=2,
+    )
+    if nan_guard.failure:
+        last_good = latest_checkpoint(os.path.join(output_dir, "checkpoints"))
+        message = f"{nan_guard.failure}; last good checkpoint: {last_good or 'none yet'}"
+        record.finish({}, failure=message)
+        raise TrainingError(
+            f"Training stopped: {message}. Lower --learning_rate or use --dtype=float32."
+        )
+    final = model.evaluate(
+        validation_data, steps=config.validation_steps, verbose=0, return_dict=True
+    )
+    record.finish(final)
+    logging.info("Finished. TensorBoard logs: %s", os.path.join(output_dir, "logs"))
+    return record.record
