@@ -1,0 +1,55 @@
+"""Datasets for tfmulti: named sources, their DataInfo, and global-batch tf.data pipelines.
+
+Example:
+    >>> from tfmulti.data import make_datasets
+    >>> data = make_datasets("digits", global_batch_size=64, seed=0)
+    >>> data.info.input_shape, data.steps_per_epoch
+    ((8, 8, 1), 22)
+"""
+
+from tfmulti.data.digits import load_digits
+from tfmulti.data.info import (
+    CLASSIFICATION,
+    LANGUAGE_MODEL,
+    TASKS,
+    ArrayData,
+    DataInfo,
+)
+from tfmulti.data.npz import load_npz
+from tfmulti.data.pipeline import (
+    TrainingData,
+    array_training_stream,
+    make_datasets,
+    make_datasets_from_source,
+)
+from tfmulti.data.sources import DATASET_NAMES, check_dataset_name, dataset_task, load_source
+from tfmulti.data.synthetic import (
+    TOKEN_RULE_PROBABILITY,
+    synthetic_classification,
+    synthetic_tokens,
+)
+from tfmulti.data.tfrecord import RecordData, load_tfrecord, write_tfrecord_examples
+
+__all__ = [
+    "CLASSIFICATION",
+    "DATASET_NAMES",
+    "LANGUAGE_MODEL",
+    "TASKS",
+    "TOKEN_RULE_PROBABILITY",
+    "ArrayData",
+    "DataInfo",
+    "RecordData",
+    "TrainingData",
+    "array_training_stream",
+    "check_dataset_name",
+    "dataset_task",
+    "load_digits",
+    "load_npz",
+    "load_source",
+    "load_tfrecord",
+    "make_datasets",
+    "make_datasets_from_source",
+    "synthetic_classification",
+    "synthetic_tokens",
+    "write_tfrecord_examples",
+]
