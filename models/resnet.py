@@ -11,12 +11,12 @@ from models.blocks import check_image_shape, derive_seed
 NORMALIZATIONS = ("batch", "layer")
 
 
-def make_normalization(normalization: str) -> keras.layers.Layer:
+def make_normalization(normalization: str, dtype=None) -> keras.layers.Layer:
     """Returns a BatchNormalization ("batch") or a per-position LayerNormalization ("layer")."""
     if normalization == "batch":
-        return keras.layers.BatchNormalization()
+        return keras.layers.BatchNormalization(dtype=dtype)
     if normalization == "layer":
-        return keras.layers.LayerNormalization()
+        return keras.layers.LayerNormalization(dtype=dtype)
     raise ValueError(
         f"normalization must be one of {list(NORMALIZATIONS)}. "
         f"Received: normalization={normalization!r}"
@@ -49,9 +49,9 @@ class ResidualBlock(keras.layers.Layer):
         self.normalization = normalization
         self.seed = seed
         self.conv_1 = self._conv(3, strides, seed_index=0)
-        self.norm_1 = make_normalization(normalization)
+        self.norm_1 = make_normalization(normalization, self.dtype_policy)
         self.conv_2 = self._conv(3, 1, seed_index=1)
-        self.norm_2 = make_normalization(normalization)
+        self.norm_2 = make_normalization(normalization, self.dtype_policy)
         self.projection = None
         self.projection_norm = None
 
@@ -63,6 +63,7 @@ class ResidualBlock(keras.layers.Layer):
             padding="same",
             use_bias=False,
             kernel_initializer=keras.initializers.HeNormal(derive_seed(self.seed, seed_index)),
+            dtype=self.dtype_policy,
         )
 
     def build(self, input_shape):
@@ -74,7 +75,7 @@ class ResidualBlock(keras.layers.Layer):
         if self.strides != 1 or input_shape[-1] != self.filters:
             self.projection = self._conv(1, self.strides, seed_index=2)
             self.projection.build(input_shape)
-            self.projection_norm = make_normalization(self.normalization)
+            self.projection_norm = make_normalization(self.normalization, self.dtype_policy)
             self.projection_norm.build(output_shape)
 
     def call(self, inputs):

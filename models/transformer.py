@@ -47,10 +47,16 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         self.d_model = d_model
         self.seed = seed
         self.token_embedding = keras.layers.Embedding(
-            vocab_size, d_model, embeddings_initializer=_normal(derive_seed(seed, 0))
+            vocab_size,
+            d_model,
+            embeddings_initializer=_normal(derive_seed(seed, 0)),
+            dtype=self.dtype_policy,
         )
         self.position_embedding = keras.layers.Embedding(
-            sequence_length, d_model, embeddings_initializer=_normal(derive_seed(seed, 1))
+            sequence_length,
+            d_model,
+            embeddings_initializer=_normal(derive_seed(seed, 1)),
+            dtype=self.dtype_policy,
         )
 
     def build(self, input_shape):
@@ -101,10 +107,14 @@ class CausalSelfAttention(keras.layers.Layer):
         self.num_heads = num_heads
         self.seed = seed
         self.query, self.key, self.value, self.output_projection = (
-            keras.layers.Dense(d_model, kernel_initializer=_normal(derive_seed(seed, index)))
+            keras.layers.Dense(
+                d_model,
+                kernel_initializer=_normal(derive_seed(seed, index)),
+                dtype=self.dtype_policy,
+            )
             for index in range(4)
         )
-        self.softmax = keras.layers.Softmax(axis=-1)
+        self.softmax = keras.layers.Softmax(axis=-1, dtype=self.dtype_policy)
 
     def build(self, input_shape):
         for projection in (self.query, self.key, self.value, self.output_projection):
@@ -156,10 +166,13 @@ class FeedForward(keras.layers.Layer):
         self.mlp_dim = mlp_dim
         self.seed = seed
         self.hidden = keras.layers.Dense(
-            mlp_dim, activation="gelu", kernel_initializer=_normal(derive_seed(seed, 0))
+            mlp_dim,
+            activation="gelu",
+            kernel_initializer=_normal(derive_seed(seed, 0)),
+            dtype=self.dtype_policy,
         )
         self.output_projection = keras.layers.Dense(
-            d_model, kernel_initializer=_normal(derive_seed(seed, 1))
+            d_model, kernel_initializer=_normal(derive_seed(seed, 1)), dtype=self.dtype_policy
         )
 
     def build(self, input_shape):
@@ -199,10 +212,14 @@ class TransformerBlock(keras.layers.Layer):
         self.num_heads = num_heads
         self.mlp_dim = mlp_dim
         self.seed = seed
-        self.attention_norm = keras.layers.LayerNormalization(epsilon=1e-5)
-        self.attention = CausalSelfAttention(d_model, num_heads, seed=derive_seed(seed, 0))
-        self.mlp_norm = keras.layers.LayerNormalization(epsilon=1e-5)
-        self.feed_forward = FeedForward(d_model, mlp_dim, seed=derive_seed(seed, 1))
+        self.attention_norm = keras.layers.LayerNormalization(epsilon=1e-5, dtype=self.dtype_policy)
+        self.attention = CausalSelfAttention(
+            d_model, num_heads, seed=derive_seed(seed, 0), dtype=self.dtype_policy
+        )
+        self.mlp_norm = keras.layers.LayerNormalization(epsilon=1e-5, dtype=self.dtype_policy)
+        self.feed_forward = FeedForward(
+            d_model, mlp_dim, seed=derive_seed(seed, 1), dtype=self.dtype_policy
+        )
 
     def build(self, input_shape):
         for layer in (self.attention_norm, self.attention, self.mlp_norm, self.feed_forward):
@@ -240,8 +257,10 @@ class LanguageModelHead(keras.layers.Layer):
         super().__init__(**kwargs)
         self.vocab_size = vocab_size
         self.seed = seed
-        self.final_norm = keras.layers.LayerNormalization(epsilon=1e-5)
-        self.logits = keras.layers.Dense(vocab_size, kernel_initializer=_normal(seed))
+        self.final_norm = keras.layers.LayerNormalization(epsilon=1e-5, dtype=self.dtype_policy)
+        self.logits = keras.layers.Dense(
+            vocab_size, kernel_initializer=_normal(seed), dtype=self.dtype_policy
+        )
 
     def build(self, input_shape):
         self.final_norm.build(input_shape)
