@@ -1,0 +1,224 @@
+"""PipelineModel: a Keras 3 model whose stages live on different devices and train in a pipeline."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.losses import loss as loss_module
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from tfmulti.pipeline.actions import Schedule
+from tfmulti.pipeline.dependencies import TimedAction
+from tfmulti.pipeline.runtime.executor import ScheduleExecutor
+from tfmulti.pipeline.runtime.microbatches import (
+    check_divisible,
+    concat_microbatches,
+    split_microbatches,
+    static_batch_size,
+)
+from tfmulti.pipeline.runtime.optimizer_placement import place_optimizer_on_variable_devices
+from tfmulti.pipeline.runtime.placement import (
+    build_stages_on_devices,
+    check_stage_placement,
+    resolve_devices,
+)
+from tfmulti.pipeline.runtime.schedule_choice import resolve_schedule
+
+
+class PipelineModel(keras.Model):
+    """A Keras model made of stages on several devices, trained by a pipeline schedule.
+
+    Each training step splits the batch into `num_microbatches` equal micro-batches and runs
+    the schedule's forward and backward actions, each device in the schedule's order, in one
+    traced function; gradients are summed over micro-batches so the update equals the
+    full-batch update. Each stage's variables and optimizer slots live on its device.
+    `evaluate` and `predict` run the stages in turn on each micro-batch.
+
+    Args:
+        stages: unbuilt Keras layers, one per stage; with p devices and v chunks per device,
+            pass p·v stages (stage i runs on device i mod p).
+        devices: the p device names, e.g. ["/device:CPU:0", "/device:CPU:1"].
+        num_microbatches: micro-batches per training step (m); the batch size must be a
+            multiple of it. Must be 1 for "model_parallel".
+        schedule: "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "model_parallel"
+            (no micro-batching, one device busy at a time), schedule text, or a `Schedule`.
+        remat: recompute each stage's forward in its backward instead of keeping its
+            intermediate tensors; a bool for all stages or one per stage.
+        **kwargs: passed to `keras.Model` (e.g. `name`).
+
+    Example:
+        >>> stages = [keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)]
+        >>> model = PipelineModel(stages, ["/device:CPU:0", "/device:CPU:1"], 4, "1f1b")
+        >>> model.compile(optimizer="adam", loss="mse")
+        >>> model.fit(x, y, batch_size=32)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[keras.layers.Layer],
+        devices: Sequence[str],
+        num_microbatches: int = 1,
+        schedule: str | Schedule = "1f1b",
+        remat: bool | Sequence[bool] = False,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        stages = list(stages)
+        if not stages or not all(isinstance(s, keras.layers.Layer) for s in stages):
+            raise ValueError(
+                f"stages must be a non-empty list of Keras layers. Received: stages={stages!r}"
+            )
+        if isinstance(num_microbatches, bool) or int(num_microbatches) < 1:
+            raise ValueError(
+                f"num_microbatches must be an integer >= 1. Received: {num_microbatches!r}"
+            )
+        self.num_microbatches = int(num_microbatches)
+        self.devices = resolve_devices(devices)
+        self.schedule = resolve_schedule(
+            schedule, len(stages), len(self.devices), self.num_microbatches
+        )
+        self.stage_devices = [self.devices[d] for d in self.schedule.stage_devices]
+        self.remat = _per_stage(remat, len(stages))
+        self.stages = stages
+        check_stage_placement(
+            [s for s in stages if s.built],
+            [d for s, d in zip(stages, self.stage_devices, strict=True) if s.built],
+        )
+        self._executor = ScheduleExecutor(stages, self.stage_devices, self.schedule, self.remat)
+        self._trace_actions = [a for actions in self.schedule.device_actions for a in actions]
+        self._tracing = False
+        self._train_functions = {}
+        self._stamp_buffer = None
+
+    def compile(self, *args, jit_compile=False, **kwargs):
+        """Like `keras.Model.compile`; XLA is refused, since it would merge the devices."""
+        if jit_compile is True:
+            raise ValueError(
+                "PipelineModel places each stage on its own device, which XLA compilation "
+                "ignores. Received: jit_compile=True; use jit_compile=False."
+            )
+        self._train_functions = {}
+        super().compile(*args, jit_compile=False, **kwargs)
+        if self.optimizer is not None:
+            place_optimizer_on_variable_devices(self.optimizer)
+
+    def build(self, input_shape=None):
+        # Stages are built on their devices at the first call, once input dtypes are known.
+        self.built = True
+
+    def call(self, inputs, training=None):
+        self._place_stages(inputs)
+        batch_size = static_batch_size(inputs)
+        splittable = batch_size is not None and batch_size % self.num_microbatches == 0
+        parts = split_microbatches(inputs, self.num_microbatches) if splittable else [inputs]
+        outputs = []
+        for part in parts:
+            for stage, device in zip(self.stages, self.stage_devices, strict=True):
+                with tf.device(device):
+                    part = stage(part, training=training)
+            outputs.append(part)
+        return concat_microbatches(outputs)
+
+    def train_step(self, data):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        self._place_stages(x)
+        check_divisible(x, self.num_microbatches)
+        m = self.num_microbatches
+        x_parts = split_microbatches(x, m)
+        y_parts = split_microbatches(y, m)
+        weight_parts = split_microbatches(sample_weight, m)
+
+        def microbatch_loss(microbatch, y_pred):
+            loss = self._compute_loss(
+                x=x_parts[microbatch],
+                y=y_parts[microbatch],
+                y_pred=y_pred,
+                sample_weight=weight_parts[microbatch],
+                training=True,
+            )
+            differentiated = loss / m
+            if self.optimizer is not None:
+                differentiated = self.optimizer.scale_loss(differentiated)
+            return loss, differentiated
+
+        result = self._executor.run(x_parts, microbatch_loss, trace=self._tracing)
+        loss = tf.add_n(result.losses) / m
+        batch_size = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+        self._loss_tracker.update_state(
+            loss_module.unscale_loss_for_distribution(loss), sample_weight=batch_size
+        )
+        self.optimizer.apply_gradients(zip(result.gradients, result.variables, strict=True))
+        if self._tracing:
+            self._stamp_buffer.assign(
+                tf.stack([tf.stack(result.stamps[action]) for action in self._trace_actions])
+            )
+        y_pred = concat_microbatches(result.outputs)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def set_step_tracing(self, enabled: bool) -> None:
+        """Makes the following training steps record when each action starts and ends.
+
+        Tracing steps run a separately traced function with timestamp ops; both functions
+        are kept, so switching back and forth does not trace again. Read the times of the
+        latest traced step with `measured_actions()`.
+        """
+        enabled = bool(enabled)
+        if enabled == self._tracing:
+            return
+        if enabled and self._stamp_buffer is None:
+            self._stamp_buffer = tf.Variable(
+                tf.zeros([len(self._trace_actions), 2], tf.float64), trainable=False
+            )
+        if self.train_function is not None:
+            self._train_functions[self._tracing] = self.train_function
+        self._tracing = enabled
+        self.train_function = self._train_functions.get(enabled)
+        if self.train_function is None:
+            self.make_train_function(force=True)
+
+    def measured_actions(self) -> list[TimedAction]:
+        """Start and end, in seconds from the step's first start, of each action of the latest
+        traced training step, in start order (see `set_step_tracing`)."""
+        if self._stamp_buffer is None:
+            raise ValueError(
+                "No training step has been traced. Call set_step_tracing(True) before a "
+                "training step, or use PipelineTimelineCallback."
+            )
+        stamps = np.asarray(self._stamp_buffer.numpy())
+        origin = stamps[:, 0].min()
+        device_of = {
+            action: device
+            for device, actions in enumerate(self.schedule.device_actions)
+            for action in actions
+        }
+        records = [
+            TimedAction(device_of[action], action, float(start - origin), float(end - origin))
+            for action, (start, end) in zip(self._trace_actions, stamps, strict=True)
+        ]
+        return sorted(records, key=lambda record: (record.start, record.device))
+
+    def stage_of_variable(self, variable) -> int:
+        """Index of the stage that owns `variable`."""
+        for index, stage in enumerate(self.stages):
+            if any(v is variable for v in stage.variables):
+                return index
+        raise ValueError(f"Variable {variable.path!r} belongs to no stage of this model.")
+
+    def _place_stages(self, inputs) -> None:
+        if not all(stage.built for stage in self.stages):
+            build_stages_on_devices(self.stages, self.stage_devices, inputs)
+            check_stage_placement(self.stages, self.stage_devices)
+
+
+def _per_stage(remat: bool | Sequence[bool], num_stages: int) -> list[bool]:
+    if isinstance(remat, bool):
+        return [remat] * num_stages
+    remat = [bool(flag) for flag in remat]
+    if len(remat) != num_stages:
+        raise ValueError(
+            f"remat needs one flag per stage ({num_stages}). Received: {len(remat)} flags"
+        )
+    return remat
