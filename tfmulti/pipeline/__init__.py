@@ -4,5 +4,44 @@ The planning modules never import TensorFlow; names that need it load lazily.
 """
 
 from tfmulti.pipeline.actions import ACTION_KINDS, Action, Schedule
+from tfmulti.pipeline.balance import Block, Partition, balance, parse_partition_spec
+from tfmulti.pipeline.dependencies import TimedAction
+from tfmulti.pipeline.schedules import (
+    SCHEDULE_NAMES,
+    build_schedule,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    zb_h1,
+    zb_h2,
+)
+from tfmulti.pipeline.simulate import CostModel, SimulationResult, StageCost, simulate
+from tfmulti.pipeline.text import schedule_from_text, schedule_grid, schedule_to_text
+from tfmulti.pipeline.validate import ScheduleError, validate_schedule
 
-__all__ = ["ACTION_KINDS", "Action", "Schedule"]
+__all__ = [
+    "ACTION_KINDS",
+    "Action",
+    "Block",
+    "CostModel",
+    "Partition",
+    "SCHEDULE_NAMES",
+    "Schedule",
+    "ScheduleError",
+    "SimulationResult",
+    "StageCost",
+    "TimedAction",
+    "balance",
+    "build_schedule",
+    "gpipe",
+    "interleaved_1f1b",
+    "one_f_one_b",
+    "parse_partition_spec",
+    "schedule_from_text",
+    "schedule_grid",
+    "schedule_to_text",
+    "simulate",
+    "validate_schedule",
+    "zb_h1",
+    "zb_h2",
+]
