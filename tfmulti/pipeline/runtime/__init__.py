@@ -3,7 +3,25 @@
 Everything that imports TensorFlow lives in this subpackage.
 """
 
+from tfmulti.pipeline.runtime.measured import (
+    bubble_fraction,
+    order_deviations,
+    peak_stashed_activations,
+)
 from tfmulti.pipeline.runtime.pipeline_model import PipelineModel
 from tfmulti.pipeline.runtime.schedule_choice import MODEL_PARALLEL, model_parallel_schedule
+from tfmulti.pipeline.runtime.timeline_report import (
+    PipelineTimelineCallback,
+    write_timeline_report,
+)
 
-__all__ = ["MODEL_PARALLEL", "PipelineModel", "model_parallel_schedule"]
+__all__ = [
+    "MODEL_PARALLEL",
+    "PipelineModel",
+    "PipelineTimelineCallback",
+    "bubble_fraction",
+    "model_parallel_schedule",
+    "order_deviations",
+    "peak_stashed_activations",
+    "write_timeline_report",
+]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
 
 import keras
@@ -91,7 +92,8 @@ class PipelineModel(keras.Model):
         self._trace_actions = [a for actions in self.schedule.device_actions for a in actions]
         self._tracing = False
         self._train_functions = {}
-        self._stamp_buffer = None
+        # A plain holder: Keras would track a variable attribute as model state.
+        self._stamp_holder = types.SimpleNamespace(buffer=None)
 
     def compile(self, *args, jit_compile=False, **kwargs):
         """Like `keras.Model.compile`; XLA is refused, since it would merge the devices."""
@@ -152,7 +154,7 @@ class PipelineModel(keras.Model):
         )
         self.optimizer.apply_gradients(zip(result.gradients, result.variables, strict=True))
         if self._tracing:
-            self._stamp_buffer.assign(
+            self._stamp_holder.buffer.assign(
                 tf.stack([tf.stack(result.stamps[action]) for action in self._trace_actions])
             )
         y_pred = concat_microbatches(result.outputs)
@@ -168,8 +170,8 @@ class PipelineModel(keras.Model):
         enabled = bool(enabled)
         if enabled == self._tracing:
             return
-        if enabled and self._stamp_buffer is None:
-            self._stamp_buffer = tf.Variable(
+        if enabled and self._stamp_holder.buffer is None:
+            self._stamp_holder.buffer = tf.Variable(
                 tf.zeros([len(self._trace_actions), 2], tf.float64), trainable=False
             )
         if self.train_function is not None:
@@ -182,12 +184,12 @@ class PipelineModel(keras.Model):
     def measured_actions(self) -> list[TimedAction]:
         """Start and end, in seconds from the step's first start, of each action of the latest
         traced training step, in start order (see `set_step_tracing`)."""
-        if self._stamp_buffer is None:
+        if self._stamp_holder.buffer is None:
             raise ValueError(
                 "No training step has been traced. Call set_step_tracing(True) before a "
                 "training step, or use PipelineTimelineCallback."
             )
-        stamps = np.asarray(self._stamp_buffer.numpy())
+        stamps = np.asarray(self._stamp_holder.buffer.numpy())
         origin = stamps[:, 0].min()
         device_of = {
             action: device

@@ -1,0 +1,112 @@
+"""Tiny seeded stages for the pipeline runtime tests, and a one-device model of the same layers."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+FEATURES = 6
+OUTPUTS = 2
+
+
+def _dense(units, seed, activation=None):
+    return keras.layers.Dense(
+        units, activation=activation, kernel_initializer=keras.initializers.GlorotUniform(seed)
+    )
+
+
+def dense_stages(num_stages: int, seed: int = 0) -> list[keras.layers.Layer]:
+    """`num_stages` dense layers, the last one producing OUTPUTS values."""
+    hidden = [_dense(8, seed + index, "tanh") for index in range(num_stages - 1)]
+    return hidden + [_dense(OUTPUTS, seed + 100)]
+
+
+class ResidualNormBlock(keras.layers.Layer):
+    """x + Dense(LayerNorm(x)): a pre-norm residual block."""
+
+    def __init__(self, width, seed, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = keras.layers.LayerNormalization()
+        self.dense = _dense(width, seed, "tanh")
+
+    def call(self, inputs):
+        return inputs + self.dense(self.norm(inputs))
+
+
+def residual_stages(num_stages: int, seed: int = 0) -> list[keras.layers.Layer]:
+    """Residual LayerNorm blocks, each stage a small Sequential, with a dense head last."""
+    stages = [keras.Sequential([_dense(8, seed), ResidualNormBlock(8, seed + 1)])]
+    for index in range(1, num_stages - 1):
+        stages.append(ResidualNormBlock(8, seed + 10 * index))
+    stages.append(keras.Sequential([ResidualNormBlock(8, seed + 99), _dense(OUTPUTS, seed + 98)]))
+    return stages
+
+
+class SplitStage(keras.layers.Layer):
+    """Takes a tensor (or a pair) and hands the next stage a pair: (features, skip)."""
+
+    def __init__(self, seed, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = _dense(8, seed, "tanh")
+        self.skip = _dense(8, seed + 1)
+
+    def call(self, inputs):
+        features, skip = inputs if isinstance(inputs, (tuple, list)) else (inputs, inputs)
+        return self.dense(features), self.skip(skip)
+
+
+class MergeStage(keras.layers.Layer):
+    """Adds the pair it receives and maps it to the outputs."""
+
+    def __init__(self, seed, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = _dense(OUTPUTS, seed)
+
+    def call(self, inputs):
+        features, skip = inputs
+        return self.dense(features + skip)
+
+
+def two_tensor_stages(num_stages: int, seed: int = 0) -> list[keras.layers.Layer]:
+    """Stages passing two tensors across every boundary."""
+    return [SplitStage(seed + 2 * index) for index in range(num_stages - 1)] + [
+        MergeStage(seed + 50)
+    ]
+
+
+class Chain(keras.Model):
+    """The stages called one after the other on the default device: the reference."""
+
+    def __init__(self, stages, **kwargs):
+        super().__init__(**kwargs)
+        self.chained = list(stages)
+
+    def call(self, inputs, training=None):
+        for stage in self.chained:
+            inputs = stage(inputs, training=training)
+        return inputs
+
+
+def regression_batches(num_batches: int, batch_size: int, seed: int = 0):
+    """A list of (x, y) float32 batches."""
+    rng = np.random.default_rng(seed)
+    return [
+        (
+            rng.normal(size=(batch_size, FEATURES)).astype("float32"),
+            rng.normal(size=(batch_size, OUTPUTS)).astype("float32"),
+        )
+        for _ in range(num_batches)
+    ]
+
+
+def max_weight_difference(first: keras.Model, second: keras.Model) -> float:
+    return max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(first.get_weights(), second.get_weights(), strict=True)
+    )
+
+
+def device_index(variable) -> tuple[str, int]:
+    spec = tf.DeviceSpec.from_string(variable.value.device)
+    return spec.device_type, spec.device_index

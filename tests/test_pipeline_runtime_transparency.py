@@ -1,0 +1,91 @@
+"""Transparency: training through the pipeline gives the weights one-device training gives."""
+
+import keras
+import numpy as np
+import pytest
+from pipeline_runtime_models import (
+    Chain,
+    dense_stages,
+    max_weight_difference,
+    regression_batches,
+    residual_stages,
+    two_tensor_stages,
+)
+
+from tfmulti.devices import logical_device_names
+from tfmulti.pipeline.runtime import PipelineModel
+
+STEPS = 3
+BATCH_SIZE = 16
+
+
+def _optimizer(name):
+    return keras.optimizers.SGD(0.1) if name == "sgd" else keras.optimizers.Adam(0.01)
+
+
+def _train_both(make_stages, num_devices, num_microbatches, schedule, chunks, optimizer):
+    devices = logical_device_names("CPU")[:num_devices]
+    num_stages = num_devices * chunks
+    reference = Chain(make_stages(num_stages))
+    reference.compile(optimizer=_optimizer(optimizer), loss="mse")
+    pipeline = PipelineModel(make_stages(num_stages), devices, num_microbatches, schedule)
+    pipeline.compile(optimizer=_optimizer(optimizer), loss="mse")
+    batches = regression_batches(STEPS, BATCH_SIZE)
+    pipeline(batches[0][0])
+    reference(batches[0][0])
+    initial = [w.copy() for w in pipeline.get_weights()]
+    for x, y in batches:
+        reference_loss = reference.train_on_batch(x, y)
+        pipeline_loss = pipeline.train_on_batch(x, y)
+    return reference, pipeline, initial, reference_loss, pipeline_loss
+
+
+GRID = [
+    (schedule, num_devices, num_microbatches, chunks)
+    for schedule, chunks in [
+        ("gpipe", 1),
+        ("1f1b", 1),
+        ("interleaved_1f1b", 2),
+        ("zb_h1", 1),
+        ("zb_h2", 1),
+    ]
+    for num_devices in (2, 4)
+    for num_microbatches in (1, 4, 8)
+    if not (chunks > 1 and num_microbatches % num_devices)
+]
+
+
+@pytest.mark.parametrize("schedule, num_devices, num_microbatches, chunks", GRID)
+def test_transparency_weights_match_one_device_training(
+    schedule, num_devices, num_microbatches, chunks
+):
+    optimizer = "sgd" if num_microbatches == 4 else "adam"
+    reference, pipeline, initial, reference_loss, pipeline_loss = _train_both(
+        dense_stages, num_devices, num_microbatches, schedule, chunks, optimizer
+    )
+    assert (
+        max(np.abs(a - b).max() for a, b in zip(initial, pipeline.get_weights(), strict=True))
+        > 1e-3
+    )
+    assert max_weight_difference(reference, pipeline) < 1e-5
+    np.testing.assert_allclose(pipeline_loss, reference_loss, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "make_stages, schedule, num_devices, num_microbatches",
+    [
+        (residual_stages, "1f1b", 4, 4),
+        (residual_stages, "zb_h1", 2, 8),
+        (two_tensor_stages, "gpipe", 4, 4),
+        (two_tensor_stages, "zb_h2", 2, 4),
+    ],
+    ids=["residual-1f1b", "residual-zb_h1", "two_tensors-gpipe", "two_tensors-zb_h2"],
+)
+def test_transparency_holds_for_residual_blocks_and_two_tensor_boundaries(
+    make_stages, schedule, num_devices, num_microbatches
+):
+    reference, pipeline, initial, reference_loss, pipeline_loss = _train_both(
+        make_stages, num_devices, num_microbatches, schedule, 1, "adam"
+    )
+    assert max_weight_difference(reference, pipeline) < 1e-5
+    np.testing.assert_allclose(pipeline_loss, reference_loss, rtol=1e-5)
