@@ -122,7 +122,7 @@ def _draw_panel(axis, panel: TimelinePanel, num_devices: int) -> set[str]:
                 ha="center",
                 va="center",
                 fontsize=8,
-                color="white",
+                color="white" if chunk == 0 else "#1a1a1a",
                 fontweight="bold",
             )
     axis.set_yticks(range(num_devices))
