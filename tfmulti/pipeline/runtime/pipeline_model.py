@@ -213,6 +213,7 @@ class PipelineModel(keras.Model):
         if not all(stage.built for stage in self.stages):
             build_stages_on_devices(self.stages, self.stage_devices, inputs)
             check_stage_placement(self.stages, self.stage_devices)
+        self.built = True
 
 
 def _per_stage(remat: bool | Sequence[bool], num_stages: int) -> list[bool]:

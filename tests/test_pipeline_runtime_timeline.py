@@ -1,0 +1,92 @@
+"""Measured timelines: what the executor ran, in what order, and the reports written from it."""
+
+import dataclasses
+import json
+import os
+
+import keras
+import pytest
+from pipeline_runtime_models import dense_stages, regression_batches
+
+from tfmulti.devices import logical_device_names
+from tfmulti.pipeline.runtime import (
+    PipelineModel,
+    PipelineTimelineCallback,
+    order_deviations,
+    peak_stashed_activations,
+)
+
+
+def _traced_model(schedule, num_devices, num_microbatches, chunks=1):
+    model = PipelineModel(
+        dense_stages(num_devices * chunks),
+        logical_device_names("CPU")[:num_devices],
+        num_microbatches,
+        schedule,
+    )
+    model.compile(optimizer="adam", loss="mse")
+    x, y = regression_batches(1, 16)[0]
+    model.set_step_tracing(True)
+    model.train_on_batch(x, y)
+    return model
+
+
+@pytest.mark.parametrize(
+    "schedule, num_devices, chunks",
+    [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved_1f1b", 2, 2), ("zb_h1", 4, 1), ("zb_h2", 2, 1)],
+)
+def test_measured_step_runs_every_action_once_in_schedule_order(schedule, num_devices, chunks):
+    model = _traced_model(schedule, num_devices, 4, chunks)
+    records = model.measured_actions()
+    assert len(records) == sum(len(actions) for actions in model.schedule.device_actions)
+    assert order_deviations(records, model.schedule) == []
+
+
+def test_measured_peak_stashed_activations_follow_the_schedule_formulas():
+    num_devices, num_microbatches = 4, 8
+    gpipe = _traced_model("gpipe", num_devices, num_microbatches)
+    one_f_one_b = _traced_model("1f1b", num_devices, num_microbatches)
+    assert peak_stashed_activations(gpipe.measured_actions(), num_devices) == [8, 8, 8, 8]
+    assert peak_stashed_activations(one_f_one_b.measured_actions(), num_devices) == [4, 3, 2, 1]
+
+
+def test_order_deviations_reports_missing_and_reordered_actions():
+    model = _traced_model("1f1b", 2, 2)
+    records = model.measured_actions()
+    first, second = [record for record in records if record.device == 0][:2]
+    swap = {id(first): second.action, id(second): first.action}
+    reordered = [dataclasses.replace(r, action=swap.get(id(r), r.action)) for r in records]
+    assert order_deviations(records[1:], model.schedule)
+    assert order_deviations(reordered, model.schedule)
+
+
+def test_timeline_callback_writes_plan_beside_measurement_for_chosen_steps(tmp_path):
+    model = PipelineModel(dense_stages(2), logical_device_names("CPU")[:2], 2, "zb_h1")
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = regression_batches(1, 32)[0]
+    callback = PipelineTimelineCallback(str(tmp_path), steps=(2, 3))
+    history = model.fit(x, y, batch_size=8, epochs=1, callbacks=[callback], verbose=0)
+    assert len(history.history["loss"]) == 1
+    assert [summary["step"] for summary in callback.summaries] == [2, 3]
+    directory = tmp_path / "pipeline_timeline"
+    for step in (2, 3):
+        for suffix in (".png", ".trace.json", ".json"):
+            assert os.path.getsize(directory / f"step{step}{suffix}") > 0
+    with open(directory / "step3.trace.json") as trace_file:
+        events = [e for e in json.load(trace_file)["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == 2 * 2 * 3
+    summary = callback.summaries[-1]
+    assert 0.0 <= summary["measured_bubble_fraction"] < 1.0
+    assert (
+        summary["measured_peak_stashed_activations"] == summary["planned_peak_stashed_activations"]
+    )
+    assert os.listdir(tmp_path / "pipeline")
+    assert not model._tracing
+
+
+def test_timeline_callback_refuses_a_model_that_is_not_a_pipeline():
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = regression_batches(1, 8)[0]
+    with pytest.raises(ValueError, match="Received a Sequential"):
+        model.fit(x, y, callbacks=[PipelineTimelineCallback("/tmp/unused")], verbose=0)
