@@ -8,6 +8,12 @@ from tfmulti.pipeline.runtime.measured import (
     order_deviations,
     peak_stashed_activations,
 )
+from tfmulti.pipeline.runtime.partition import (
+    BlockStage,
+    measure_blocks,
+    partition_blocks,
+    stages_from_blocks,
+)
 from tfmulti.pipeline.runtime.pipeline_model import PipelineModel
 from tfmulti.pipeline.runtime.schedule_choice import MODEL_PARALLEL, model_parallel_schedule
 from tfmulti.pipeline.runtime.timeline_report import (
@@ -16,12 +22,16 @@ from tfmulti.pipeline.runtime.timeline_report import (
 )
 
 __all__ = [
+    "BlockStage",
     "MODEL_PARALLEL",
     "PipelineModel",
     "PipelineTimelineCallback",
     "bubble_fraction",
+    "measure_blocks",
     "model_parallel_schedule",
     "order_deviations",
+    "partition_blocks",
     "peak_stashed_activations",
+    "stages_from_blocks",
     "write_timeline_report",
 ]

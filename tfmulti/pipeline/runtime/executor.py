@@ -81,6 +81,22 @@ def _timestamp(after: Sequence[tf.Tensor]) -> tf.Tensor:
     return tf.numpy_function(_now, tokens, tf.float64, stateful=False)
 
 
+def _add(first, second):
+    """Sums two gradients; sparse ones (e.g. of embeddings) stay sparse by concatenation."""
+    if isinstance(first, tf.IndexedSlices) and isinstance(second, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.concat([first.values, second.values], axis=0),
+            tf.concat([first.indices, second.indices], axis=0),
+            first.dense_shape,
+        )
+    return tf.convert_to_tensor(first) + tf.convert_to_tensor(second)
+
+
+def _tensor_part(gradient) -> tf.Tensor:
+    """A tensor that is ready when `gradient` is, for control dependencies and timestamps."""
+    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+
+
 def _is_differentiable(tensor) -> bool:
     return isinstance(tensor, tf.Tensor) and tensor.dtype.is_floating
 
@@ -102,7 +118,7 @@ def _ops_needed_only_by(
             pending.extend(c for c in op.control_inputs if c in new_ops)
         return seen
 
-    weight_only = ancestors(weight_grads) - ancestors(input_grads)
+    weight_only = ancestors(map(_tensor_part, weight_grads)) - ancestors(input_grads)
     return [op for op in weight_only if not any(t.op in weight_only for t in op.inputs)]
 
 
@@ -267,11 +283,11 @@ class _StepBuilder:
         self.input_grads[(stage, microbatch)] = input_grads
         if not split:
             del self.activations[(stage, microbatch)]
-            return list(input_grads) + self._accumulate(weights, weight_grads)
+            return [_tensor_part(g) for g in input_grads] + self._accumulate(weights, weight_grads)
         new_ops = set(graph.get_operations()[ops_before:])
         held_back = _ops_needed_only_by(weight_grads, input_grads, new_ops)
         self.pending_weight_grads[(stage, microbatch)] = (weights, weight_grads, held_back)
-        return list(input_grads)
+        return [_tensor_part(g) for g in input_grads]
 
     def _weight_grad(self, action: Action, gate: Sequence[tf.Tensor]) -> list:
         key = (action.stage, action.microbatch)
@@ -289,8 +305,8 @@ class _StepBuilder:
             key = id(variable)
             self.variables.setdefault(key, variable)
             total = self.accumulated.get(key)
-            self.accumulated[key] = gradient if total is None else total + gradient
-            sums.append(self.accumulated[key])
+            self.accumulated[key] = gradient if total is None else _add(total, gradient)
+            sums.append(_tensor_part(self.accumulated[key]))
         return sums
 
     def result(self) -> StepResult:

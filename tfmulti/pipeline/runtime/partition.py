@@ -1,0 +1,173 @@
+"""Stages from an ordered block list: measuring the blocks and splitting them with the balancer."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmulti.pipeline.balance import Block, Partition, balance, parse_partition_spec
+
+_TIMING_REPEATS = 3
+
+
+class BlockStage(keras.layers.Layer):
+    """One pipeline stage: consecutive blocks, each fed the previous one's output.
+
+    Args:
+        blocks: the stage's blocks, in order.
+        **kwargs: passed to `keras.layers.Layer` (e.g. `name`).
+    """
+
+    def __init__(self, blocks: Sequence[keras.layers.Layer], **kwargs):
+        super().__init__(**kwargs)
+        self.blocks = list(blocks)
+
+    def call(self, inputs, training=None):
+        for block in self.blocks:
+            inputs = block(inputs, training=training)
+        return inputs
+
+
+def stages_from_blocks(
+    blocks: Sequence[keras.layers.Layer], boundaries: Sequence[int]
+) -> list[BlockStage]:
+    """Groups `blocks` into stages that start at 0 and at each of `boundaries`.
+
+    Args:
+        blocks: the model's blocks in order (unbuilt, so the pipeline can place them).
+        boundaries: index of the first block of stages 1, 2, ...; strictly increasing.
+
+    Example:
+        >>> stages = stages_from_blocks(blocks, [3, 6, 9])  # 4 stages
+    """
+    edges = [0, *boundaries, len(blocks)]
+    if any(start >= end for start, end in zip(edges, edges[1:], strict=False)):
+        raise ValueError(
+            f"boundaries must increase strictly within 1..{len(blocks) - 1} so that every "
+            f"stage has a block. Received: boundaries={list(boundaries)} for {len(blocks)} blocks"
+        )
+    return [
+        BlockStage(blocks[start:end], name=f"stage_{index}")
+        for index, (start, end) in enumerate(zip(edges, edges[1:], strict=False))
+    ]
+
+
+def partition_blocks(
+    blocks: Sequence[keras.layers.Layer],
+    num_stages: int,
+    policy: str = "uniform",
+    sample_input=None,
+    num_microbatches: int = 1,
+    schedule: str = "1f1b",
+) -> Partition:
+    """Chooses stage boundaries for `blocks` with the balancer, costing the real blocks.
+
+    "params" counts each block's parameters and "time" times each block's forward and
+    backward on `sample_input` (one micro-batch). Both measure copies made from the blocks'
+    configs, so `blocks` stay unbuilt for the pipeline to place.
+
+    Args:
+        blocks: the model's blocks in order.
+        num_stages: stages to make (p, or p·v for an interleaved schedule).
+        policy: "uniform", "params", "time" or "manual:3,6,9" (first block of each later
+            stage).
+        sample_input: one micro-batch of model input; needed by "params" and "time".
+        num_microbatches: micro-batches per step, for the simulated step time.
+        schedule: one-stage-per-device schedule name the balancer simulates.
+
+    Returns:
+        The balancer's `Partition`; pass `partition.boundaries` to `stages_from_blocks`.
+
+    Example:
+        >>> partition = partition_blocks(blocks, 2, "time", sample_input=x[:16])
+        >>> stages = stages_from_blocks(blocks, partition.boundaries)
+    """
+    policy_name, boundaries = parse_partition_spec(policy)
+    if policy_name in ("params", "time"):
+        if sample_input is None:
+            raise ValueError(
+                f"Partition policy {policy_name!r} measures the blocks on a sample batch. "
+                "Received: sample_input=None; pass one micro-batch of inputs."
+            )
+        costs = measure_blocks(blocks, sample_input, time_blocks=policy_name == "time")
+    else:
+        costs = [Block(name=block.name) for block in blocks]
+    return balance(
+        costs,
+        num_stages,
+        num_microbatches,
+        policy_name,
+        schedule=schedule,
+        boundaries=boundaries,
+    )
+
+
+def measure_blocks(
+    blocks: Sequence[keras.layers.Layer], sample_input, time_blocks: bool = True
+) -> list[Block]:
+    """Parameter counts, output bytes and (optionally) forward/backward seconds per block."""
+    costs = []
+    inputs = tf.nest.map_structure(tf.convert_to_tensor, sample_input)
+    for block in blocks:
+        copy = _fresh_copy(block)
+        outputs = copy(inputs, training=True)
+        forward_time = backward_time = 1.0
+        if time_blocks:
+            forward_time, backward_time = _time_block(copy, inputs)
+        costs.append(
+            Block(
+                forward_time=forward_time,
+                backward_time=backward_time,
+                params=int(sum(np.prod(v.shape) for v in copy.trainable_variables)),
+                activation_bytes=float(
+                    sum(t.shape.num_elements() * t.dtype.size for t in tf.nest.flatten(outputs))
+                ),
+                name=block.name,
+            )
+        )
+        inputs = outputs
+    return costs
+
+
+def _fresh_copy(block: keras.layers.Layer) -> keras.layers.Layer:
+    try:
+        return block.__class__.from_config(block.get_config())
+    except Exception as error:
+        raise ValueError(
+            f"Block {block.name!r} ({type(block).__name__}) cannot be copied from its config "
+            "for measuring; give it a get_config, or use partition 'uniform' or "
+            "'manual:<split points>'."
+        ) from error
+
+
+def _time_block(block: keras.layers.Layer, inputs) -> tuple[float, float]:
+    differentiable = [t for t in tf.nest.flatten(inputs) if t.dtype.is_floating]
+
+    @tf.function
+    def forward():
+        return block(inputs, training=True)
+
+    @tf.function
+    def forward_and_backward():
+        with tf.GradientTape() as tape:
+            tape.watch(differentiable)
+            outputs = [t for t in tf.nest.flatten(block(inputs, training=True))]
+            target = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in outputs])
+        return tape.gradient(target, differentiable + block.trainable_variables)
+
+    def seconds(function):
+        function()
+        times = []
+        for _ in range(_TIMING_REPEATS):
+            start = time.perf_counter()
+            tf.nest.map_structure(lambda t: t.numpy() if t is not None else t, function())
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    forward_time = seconds(forward)
+    return forward_time, max(seconds(forward_and_backward) - forward_time, 0.0)
