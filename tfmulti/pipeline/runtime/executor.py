@@ -283,7 +283,13 @@ class _StepBuilder:
         self.input_grads[(stage, microbatch)] = input_grads
         if not split:
             del self.activations[(stage, microbatch)]
-            return [_tensor_part(g) for g in input_grads] + self._accumulate(weights, weight_grads)
+            sums = self._accumulate(weights, weight_grads)
+            # A whole backward hands its input gradient on when it ends, as planned; else
+            # the previous stage could overlap this stage's weight-gradient work.
+            with tf.control_dependencies(sums):
+                input_grads = [tf.identity(_tensor_part(g)) for g in input_grads]
+            self.input_grads[(stage, microbatch)] = input_grads
+            return input_grads + sums
         new_ops = set(graph.get_operations()[ops_before:])
         held_back = _ops_needed_only_by(weight_grads, input_grads, new_ops)
         self.pending_weight_grads[(stage, microbatch)] = (weights, weight_grads, held_back)

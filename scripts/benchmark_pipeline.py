@@ -1,0 +1,342 @@
+"""Benchmark: does the pipeline executor run what the schedules promise?
+
+1. fidelity: stages whose forward, input-gradient and weight-gradient each hold their device
+   for a known time (a sleep inside the graph, proportional to the micro-batch's rows), so
+   the machine's two cores do not limit the overlap. For each schedule at p devices and
+   m micro-batches: measured step time against the simulator's makespan, and speedup over
+   `model_parallel` against the ideal m·p/(m+p-1). ZB-H1's gain over 1F1B, measured and
+   predicted.
+2. real_compute: the Transformer reference model over 2 logical CPU devices, examples/sec
+   for one device, model_parallel and a 1F1B pipeline.
+3. memory: peak stashed activations per stage, GPipe and 1F1B, as the executor measured
+   them, against the formulas (m, and p-s).
+
+Prints a JSON list of records; `--out` writes it, `--plot` draws the fidelity results and
+puts measured-beside-planned timelines next to the plot.
+
+Example:
+    python scripts/benchmark_pipeline.py --out=/tmp/pipeline.json --plot=/tmp/pipeline.png
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+from absl import flags  # noqa: E402
+
+from tfmulti.flags.parsing import run_script  # noqa: E402
+
+BENCHMARKS = ("fidelity", "real_compute", "memory")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2")
+
+flags.DEFINE_list("benchmarks", list(BENCHMARKS), f"Which of {BENCHMARKS} to run.")
+flags.DEFINE_list("schedules", list(SCHEDULES), "Schedules for the fidelity benchmark.")
+flags.DEFINE_list("microbatches", ["4", "8", "16"], "Micro-batch counts for fidelity.")
+flags.DEFINE_integer("num_devices", 4, "Pipeline devices p for fidelity and memory.", lower_bound=2)
+flags.DEFINE_float("forward_ms", 40.0, "Forward hold of one stage on the whole batch (ms).")
+flags.DEFINE_integer("batch_size", 16, "Rows per step in fidelity and memory.", lower_bound=1)
+flags.DEFINE_integer("steps", 5, "Timed steps per configuration (median).", lower_bound=1)
+flags.DEFINE_integer("real_batch_size", 64, "Batch size of the real-compute benchmark.")
+flags.DEFINE_integer("real_microbatches", 4, "Micro-batches of the real-compute pipeline.")
+flags.DEFINE_string("out", None, "Write the JSON records to this file.")
+flags.DEFINE_string("plot", None, "Draw the fidelity results into this PNG.")
+flags.register_validator(
+    "benchmarks", lambda names: set(names) <= set(BENCHMARKS), f"must be among {BENCHMARKS}"
+)
+flags.register_validator(
+    "schedules", lambda names: set(names) <= set(SCHEDULES), f"must be among {SCHEDULES}"
+)
+FLAGS = flags.FLAGS
+
+
+def _hold_stage_class():
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    def hold(seconds):
+        def sleep_then_pass(first, *unused):
+            time.sleep(seconds)
+            return first
+
+        return sleep_then_pass
+
+    class HoldStage(keras.layers.Layer):
+        """Holds its device for fixed seconds per row in F, I and W; output equals input."""
+
+        def __init__(self, forward_s_per_row, input_grad_s_per_row, weight_grad_s_per_row):
+            super().__init__()
+            self.per_row = (forward_s_per_row, input_grad_s_per_row, weight_grad_s_per_row)
+
+        def build(self, input_shape):
+            self.scale = self.add_weight(shape=(), initializer="ones")
+
+        def call(self, inputs):
+            rows = inputs.shape[0]
+            forward_s, input_grad_s, weight_grad_s = (rows * s for s in self.per_row)
+
+            @tf.custom_gradient
+            def held(x, scale):
+                y = tf.numpy_function(hold(forward_s), [x * scale], tf.float32, stateful=False)
+                y.set_shape(x.shape)
+
+                def gradient(dy):
+                    dx = tf.numpy_function(
+                        hold(input_grad_s), [dy * scale], tf.float32, stateful=False
+                    )
+                    # Reads dx so that a whole backward runs I then W, as on one stream.
+                    dscale = tf.numpy_function(
+                        hold(weight_grad_s),
+                        [tf.reduce_sum(dy * x), dx],
+                        tf.float32,
+                        stateful=False,
+                    )
+                    return tf.reshape(dx, tf.shape(x)), tf.reshape(dscale, [])
+
+                return y, gradient
+
+            return held(inputs, tf.convert_to_tensor(self.scale))
+
+    return HoldStage, np
+
+
+def _hold_model(schedule, num_devices, num_microbatches, chunks, forward_s_per_row):
+    import keras
+
+    from tfmulti.devices import logical_device_names
+    from tfmulti.pipeline.runtime import PipelineModel
+
+    hold_stage, _ = _hold_stage_class()
+    per_chunk = forward_s_per_row / chunks
+    stages = [hold_stage(per_chunk, per_chunk, per_chunk) for _ in range(num_devices * chunks)]
+    devices = logical_device_names("CPU")[:num_devices]
+    model = PipelineModel(stages, devices, num_microbatches, schedule)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    return model
+
+
+def _median_step_seconds(model, x, y, steps):
+    model.train_on_batch(x, y)
+    model.train_on_batch(x, y)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        model.train_on_batch(x, y)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _batch(rows, features=8):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return (
+        rng.normal(size=(rows, features)).astype("float32"),
+        np.zeros((rows, features), "float32"),
+    )
+
+
+def fidelity_records(timeline_dir):
+    from tfmulti.pipeline.runtime import write_timeline_report
+    from tfmulti.pipeline.simulate import CostModel, simulate
+
+    p, rows = FLAGS.num_devices, FLAGS.batch_size
+    per_row = FLAGS.forward_ms / 1e3 / rows
+    x, y = _batch(rows)
+    baseline = _hold_model("model_parallel", p, 1, 1, per_row)
+    model_parallel_s = _median_step_seconds(baseline, x, y, FLAGS.steps)
+    records = []
+    for m in (int(value) for value in FLAGS.microbatches):
+        for schedule in FLAGS.schedules:
+            chunks = 2 if schedule == "interleaved_1f1b" else 1
+            model = _hold_model(schedule, p, m, chunks, per_row)
+            measured = _median_step_seconds(model, x, y, FLAGS.steps)
+            forward = FLAGS.forward_ms / 1e3 / m
+            costs = CostModel.uniform(p, forward, 2 * forward, forward).split_into_chunks(chunks)
+            simulated = simulate(model.schedule, costs).makespan
+            ideal = m * p / (m + p - 1)
+            records.append(
+                {
+                    "benchmark": "fidelity",
+                    "schedule": schedule,
+                    "stages": p * chunks,
+                    "devices": p,
+                    "microbatches": m,
+                    "measured_s": measured,
+                    "simulated_s": simulated,
+                    "measured_over_simulated": measured / simulated,
+                    "model_parallel_s": model_parallel_s,
+                    "speedup": model_parallel_s / measured,
+                    "ideal_speedup": ideal,
+                    "speedup_fraction_of_ideal": model_parallel_s / measured / ideal,
+                }
+            )
+            print(json.dumps(records[-1]), flush=True)
+            if timeline_dir and m == 8:
+                model.set_step_tracing(True)
+                model.train_on_batch(x, y)
+                write_timeline_report(
+                    model.measured_actions(), model.schedule, timeline_dir, step=m
+                )
+                os.replace(
+                    os.path.join(timeline_dir, f"step{m}.png"),
+                    os.path.join(timeline_dir, f"timeline_{schedule}_m{m}.png"),
+                )
+    for m in {r["microbatches"] for r in records}:
+        by_schedule = {r["schedule"]: r for r in records if r["microbatches"] == m}
+        if {"1f1b", "zb_h1"} <= set(by_schedule):
+            one_f, zb = by_schedule["1f1b"], by_schedule["zb_h1"]
+            records.append(
+                {
+                    "benchmark": "fidelity",
+                    "schedule": "zb_h1_vs_1f1b",
+                    "stages": p,
+                    "microbatches": m,
+                    "measured_gain": one_f["measured_s"] / zb["measured_s"] - 1,
+                    "predicted_gain": one_f["simulated_s"] / zb["simulated_s"] - 1,
+                }
+            )
+    return records
+
+
+def real_compute_records():
+    import keras
+
+    from models import build_blocks, build_model
+    from tfmulti.devices import logical_device_names
+    from tfmulti.pipeline.runtime import PipelineModel, stages_from_blocks
+
+    vocab, sequence = 512, 64
+    options = dict(num_layers=4, num_heads=4, d_model=256)
+    rng = __import__("numpy").random.default_rng(0)
+    tokens = rng.integers(0, vocab, size=(FLAGS.real_batch_size, sequence + 1)).astype("int32")
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    devices = logical_device_names("CPU")[:2]
+
+    def pipeline(schedule, m):
+        blocks = build_blocks("transformer", (sequence,), vocab, seed=0, **options)
+        return PipelineModel(stages_from_blocks(blocks, [3]), devices, m, schedule)
+
+    candidates = {
+        "one_device": lambda: build_model("transformer", (sequence,), vocab, seed=0, **options),
+        "model_parallel": lambda: pipeline("model_parallel", 1),
+        "1f1b": lambda: pipeline("1f1b", FLAGS.real_microbatches),
+    }
+    records = []
+    for name, make in candidates.items():
+        model = make()
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss, jit_compile=False)
+        seconds = _median_step_seconds(model, x, y, FLAGS.steps)
+        records.append(
+            {
+                "benchmark": "real_compute",
+                "schedule": name,
+                "stages": 1 if name == "one_device" else 2,
+                "microbatches": FLAGS.real_microbatches if name == "1f1b" else 1,
+                "step_s": seconds,
+                "examples_per_s": FLAGS.real_batch_size / seconds,
+            }
+        )
+        print(json.dumps(records[-1]), flush=True)
+    return records
+
+
+def memory_records():
+    from tfmulti.pipeline.runtime import peak_stashed_activations
+
+    p, m = FLAGS.num_devices, 8
+    x, y = _batch(FLAGS.batch_size)
+    records = []
+    for schedule in ("gpipe", "1f1b"):
+        model = _hold_model(schedule, p, m, 1, 1e-4)
+        model.set_step_tracing(True)
+        model.train_on_batch(x, y)
+        peaks = peak_stashed_activations(model.measured_actions(), p)
+        for stage, peak in enumerate(peaks):
+            records.append(
+                {
+                    "benchmark": "memory",
+                    "schedule": schedule,
+                    "stages": p,
+                    "microbatches": m,
+                    "stage": stage,
+                    "measured_peak_stashed": peak,
+                    "formula_peak_stashed": m if schedule == "gpipe" else min(p - stage, m),
+                }
+            )
+        print(json.dumps([r for r in records if r["schedule"] == schedule]), flush=True)
+    return records
+
+
+def plot(records, path):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fidelity = [r for r in records if r["benchmark"] == "fidelity" and "measured_s" in r]
+    microbatches = sorted({r["microbatches"] for r in fidelity})
+    schedules = [s for s in SCHEDULES if any(r["schedule"] == s for r in fidelity)]
+    figure = Figure(figsize=(12, 4.5))
+    FigureCanvasAgg(figure)
+    times_axis, ratio_axis = figure.subplots(1, 2)
+    width = 0.8 / len(schedules)
+    for index, schedule in enumerate(schedules):
+        rows = {r["microbatches"]: r for r in fidelity if r["schedule"] == schedule}
+        positions = [k + index * width for k in range(len(microbatches))]
+        measured = [rows[m]["measured_s"] for m in microbatches]
+        simulated = [rows[m]["simulated_s"] for m in microbatches]
+        bars = times_axis.bar(positions, measured, width, label=schedule)
+        times_axis.scatter(positions, simulated, color="black", marker="_", s=200, zorder=3)
+        ratio_axis.plot(
+            microbatches,
+            [rows[m]["speedup_fraction_of_ideal"] for m in microbatches],
+            marker="o",
+            color=bars[0].get_facecolor(),
+            label=schedule,
+        )
+    times_axis.set_xticks([k + 0.4 - width / 2 for k in range(len(microbatches))])
+    times_axis.set_xticklabels([f"m={m}" for m in microbatches])
+    times_axis.set_ylabel("step time (s)")
+    times_axis.set_title(f"measured (bars) vs simulated (black), p={FLAGS.num_devices}")
+    times_axis.legend(fontsize=8)
+    ratio_axis.axhline(0.9, color="grey", linestyle="--", label="target 0.90")
+    ratio_axis.set_xlabel("micro-batches m")
+    ratio_axis.set_ylabel("speedup over model_parallel / (m·p/(m+p-1))")
+    ratio_axis.set_title("speedup as a fraction of the ideal")
+    ratio_axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main(argv):
+    del argv
+    import tensorflow as tf
+
+    from tfmulti.devices import configure_logical_devices
+
+    # A held device blocks one inter-op thread, and TensorFlow sizes that pool by cores (2
+    # here): give every logical device threads of its own so holds overlap as on real ones.
+    tf.config.threading.set_inter_op_parallelism_threads(4 * max(FLAGS.num_devices, 2))
+    configure_logical_devices(max(FLAGS.num_devices, 2), device_type="CPU")
+    timeline_dir = os.path.splitext(FLAGS.plot)[0] + "_timelines" if FLAGS.plot else None
+    records = []
+    if "fidelity" in FLAGS.benchmarks:
+        records += fidelity_records(timeline_dir)
+    if "memory" in FLAGS.benchmarks:
+        records += memory_records()
+    if "real_compute" in FLAGS.benchmarks:
+        records += real_compute_records()
+    print(json.dumps(records, indent=1))
+    if FLAGS.out:
+        with open(FLAGS.out, "w") as out_file:
+            json.dump(records, out_file, indent=1)
+    if FLAGS.plot and any(r["benchmark"] == "fidelity" for r in records):
+        plot(records, FLAGS.plot)
+
+
+if __name__ == "__main__":
+    run_script(main, (ValueError,))
