@@ -1,0 +1,133 @@
+"""One worker of a multi-worker Keras run, driven by tests through TF_CONFIG.
+
+Usage: python mwms_worker.py --mode=train|upstream_probe --devices=K --out=DIR --model_dir=DIR
+Writes DIR/worker<rank>.json with what the test checks.
+"""
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tfmulti.compat  # noqa: E402
+
+tfmulti.compat.install_when_keras_loads()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tfmulti import cluster as cluster_lib  # noqa: E402
+from tfmulti import input_sharding  # noqa: E402
+from tfmulti.cluster_profiling import WorkerProfiler  # noqa: E402
+from tfmulti.compat import keras_multi_worker, worker_paths  # noqa: E402
+
+GLOBAL_BATCH = 16
+NUM_EXAMPLES = 64
+
+
+def make_data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(NUM_EXAMPLES, 4)).astype("float32")
+    y = (x @ np.array([[1.0], [-2.0], [0.5], [0.0]], "float32")).astype("float32")
+    return x, y
+
+
+def make_model():
+    """A small dense model with weights set from a fixed seed, identical everywhere."""
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)]
+    )
+    rng = np.random.default_rng(1)
+    model.set_weights(
+        [rng.normal(scale=0.5, size=w.shape).astype("float32") for w in model.weights]
+    )
+    model.compile(keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    return model
+
+
+def sharded_dataset(with_labels=True):
+    x, y = make_data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y) if with_labels else x)
+    return input_sharding.apply_shard_policy(dataset.batch(GLOBAL_BATCH), "data")
+
+
+def train(strategy, cluster, model_dir, epochs):
+    with strategy.scope():
+        model = make_model()
+    callbacks = [
+        keras.callbacks.ModelCheckpoint(
+            os.path.join(model_dir, "ckpt-{epoch}.weights.h5"), save_weights_only=True
+        ),
+        keras.callbacks.BackupAndRestore(
+            os.path.join(model_dir, "backup"), delete_checkpoint=False
+        ),
+        keras.callbacks.TensorBoard(os.path.join(model_dir, "logs")),
+        WorkerProfiler(os.path.join(model_dir, "logs"), cluster.task_index, 1, 2),
+    ]
+    history = model.fit(sharded_dataset(), epochs=epochs, verbose=0, callbacks=callbacks)
+    evaluation = model.evaluate(sharded_dataset(), verbose=0)
+    predictions = model.predict(sharded_dataset(with_labels=False), verbose=0)
+    return {
+        "weights": [w.tolist() for w in model.get_weights()],
+        "loss": history.history["loss"],
+        "evaluation": evaluation,
+        "predictions": predictions.tolist(),
+        "trace_path": callbacks[-1].trace_path,
+        "scratch_dir": worker_paths.scratch_dir() if not cluster.is_chief else None,
+        "active_fixes": tfmulti.compat.active_fixes(),
+    }
+
+
+def fit_without(strategy, fix_name, model_dir):
+    """Runs one epoch with fix `fix_name` undone; returns the error text, or None if it ran."""
+    fix = next(fix for fix in keras_multi_worker.FIXES if fix.name == fix_name)
+    patched = getattr(fix.owner, fix.attribute)
+    setattr(fix.owner, fix.attribute, keras_multi_worker.original_function(fix_name))
+    saved_paths = []
+    try:
+        with strategy.scope():
+            model = make_model()
+        model.save_weights = lambda filepath, **kwargs: saved_paths.append(filepath)
+        probe_path = os.path.join(model_dir, "probe.weights.h5")
+        callback = keras.callbacks.ModelCheckpoint(probe_path, save_weights_only=True)
+        model.fit(sharded_dataset(), epochs=1, verbose=0, callbacks=[callback])
+        return {"error": None, "saved_paths": saved_paths, "user_path": probe_path}
+    except Exception as error:  # the probe reports any failure of the unpatched path
+        return {"error": f"{type(error).__name__}: {error}"[:2000]}
+    finally:
+        setattr(fix.owner, fix.attribute, patched)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["train", "upstream_probe"], default="train")
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model_dir", required=True)
+    args = parser.parse_args()
+
+    cluster = cluster_lib.resolve_cluster()
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * args.devices
+    )
+    strategy = cluster_lib.build_multi_worker_strategy(
+        cluster, communication="ring", timeout_seconds=60, connect_timeout_seconds=60
+    )
+    if args.mode == "train":
+        result = train(strategy, cluster, args.model_dir, args.epochs)
+    else:
+        result = {
+            name: fit_without(strategy, name, args.model_dir)
+            for name in keras_multi_worker.active_fix_names()
+        }
+    result["num_replicas"] = strategy.num_replicas_in_sync
+    with open(os.path.join(args.out, f"worker{cluster.task_index}.json"), "w") as file:
+        json.dump(result, file)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Compatibility fixes for Keras 3 under tf.distribute, applied when Keras loads.
+
+Importing this package imports neither TensorFlow nor Keras.
+
+Example:
+    >>> import tfmulti.compat
+    >>> tfmulti.compat.install_when_keras_loads()  # `import tfmulti` does this
+    >>> import keras  # fixes are in place from here on
+    >>> tfmulti.compat.active_fixes()
+    ['symbolic_build_from_one_replica', ...]
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
+__all__ = ["active_fixes", "install", "install_when_keras_loads"]
+
+
+def install() -> list[str]:
+    """Imports Keras and applies the fixes it needs (idempotent).
+
+    Returns:
+        The names of the active fixes; empty for a Keras that needs none or a
+        backend other than TensorFlow.
+    """
+    from tfmulti.compat import keras_multi_worker
+
+    return keras_multi_worker.apply_fixes()
+
+
+def active_fixes() -> list[str]:
+    """Names of the fixes applied so far, without importing Keras."""
+    module = sys.modules.get("tfmulti.compat.keras_multi_worker")
+    return module.active_fix_names() if module is not None else []
+
+
+def install_when_keras_loads() -> None:
+    """Applies the fixes now if Keras is imported, else right after `import keras` finishes.
+
+    Example:
+        >>> install_when_keras_loads()
+    """
+    if "keras" in sys.modules:
+        install()
+    elif not any(isinstance(finder, _KerasImportHook) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _KerasImportHook())
+
+
+class _KerasImportHook(importlib.abc.MetaPathFinder):
+    """Finds `keras` with the other finders and runs `install()` after it executes."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "keras":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _InstallAfterLoading(spec.loader)
+        return spec
+
+
+class _InstallAfterLoading(importlib.abc.Loader):
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        install()

@@ -1,0 +1,169 @@
+"""Fixes that let Keras 3 `fit`/`evaluate`/`predict` run under MultiWorkerMirroredStrategy.
+
+Upstream: keras-team/keras#20585. Each fix replaces one named Keras function,
+delegates to the original wherever the original works, and applies only to the
+Keras versions known to need it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable
+
+import keras
+import tensorflow as tf
+from keras.src import tree
+from keras.src.backend.tensorflow import trainer as tensorflow_trainer
+from keras.src.callbacks import callback_list
+
+from tfmulti.compat import worker_paths
+
+UPSTREAM_ISSUE = "https://github.com/keras-team/keras/issues/20585"
+
+# Newest Keras checked by tests/test_compat.py is 3.15.1. On a newer Keras the
+# fixes stay off until that test is run there and this bound is raised (or the
+# fix removed, when the test reports that upstream fixed it).
+FIRST_UNCHECKED_KERAS = (3, 16)
+FIRST_BROKEN_KERAS = (3, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fix:
+    """One replaced Keras function.
+
+    Args:
+        name: short name used by `active_fixes()`.
+        owner: the module or class that holds the function.
+        attribute: the function's name on `owner`.
+        make_replacement: builds the replacement from the original function.
+        first_broken: first Keras version known to need the fix.
+        first_unchecked: first Keras version not checked; the fix is off from there on.
+    """
+
+    name: str
+    owner: object
+    attribute: str
+    make_replacement: Callable[[Callable], Callable]
+    first_broken: tuple[int, ...] = FIRST_BROKEN_KERAS
+    first_unchecked: tuple[int, ...] = FIRST_UNCHECKED_KERAS
+
+    def applies_to(self, version: tuple[int, ...]) -> bool:
+        """Whether Keras `version` needs this fix and still has the function it replaces."""
+        in_range = self.first_broken <= version < self.first_unchecked
+        return in_range and hasattr(self.owner, self.attribute)
+
+
+def keras_version() -> tuple[int, ...]:
+    """The installed Keras version as integers, e.g. (3, 15, 1); suffixes like ".dev0" dropped."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", keras.version())
+    return tuple(int(number) for number in match.groups() if number is not None)
+
+
+def is_multi_worker(strategy: tf.distribute.Strategy | None) -> bool:
+    """Whether `strategy` is a MultiWorkerMirroredStrategy spanning more than one worker."""
+    return (
+        isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+        and strategy.extended._in_multi_worker_mode()
+    )
+
+
+def _first_local_value(strategy: tf.distribute.Strategy, value):
+    if isinstance(value, tf.distribute.DistributedValues):
+        return strategy.experimental_local_results(value)[0]
+    return value
+
+
+def _build_from_one_replica(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        strategy = self._distribute_strategy
+        if iterator is None or not is_multi_worker(strategy):
+            return original(self, iterator=iterator, data_batch=data_batch)
+        # Building needs shapes and dtypes only. Upstream averages the batch over
+        # replicas with `strategy.reduce`, which under this strategy tries to convert
+        # the nested PerReplica batch to one tensor and fails.
+        for _, _, batches in iterator:
+            batch = next(batches)
+            data_batch = tree.map_structure(lambda v: _first_local_value(strategy, v), batch)
+            break
+        return original(self, data_batch=data_batch)
+
+    return _maybe_symbolic_build
+
+
+def _mean_over_replicas_elementwise(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def reduce_per_replica(values, strategy, reduction):
+        if reduction not in ("auto", "mean") or not is_multi_worker(strategy):
+            return original(values, strategy, reduction)
+        # Upstream passes axis=0, which also reduces inside each replica's value and
+        # fails on scalar metrics. Averaging across replicas only is what the
+        # single-worker path computes (tf.reduce_mean over local results, axis=0).
+        return tree.map_structure(lambda value: strategy.reduce("MEAN", value, axis=None), values)
+
+    return reduce_per_replica
+
+
+def _callback_paths_per_worker(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def set_model(self, model):
+        strategy = getattr(model, "_distribute_strategy", None)
+        if is_multi_worker(strategy) and not strategy.extended.should_checkpoint:
+            worker_paths.redirect_to_scratch(self.callbacks, worker_paths.scratch_dir())
+        return original(self, model)
+
+    return set_model
+
+
+FIXES = (
+    Fix(
+        name="symbolic_build_from_one_replica",
+        owner=tensorflow_trainer.TensorFlowTrainer,
+        attribute="_maybe_symbolic_build",
+        make_replacement=_build_from_one_replica,
+    ),
+    Fix(
+        name="reduce_metrics_across_replicas_only",
+        owner=tensorflow_trainer,
+        attribute="reduce_per_replica",
+        make_replacement=_mean_over_replicas_elementwise,
+    ),
+    Fix(
+        name="non_chief_callbacks_write_to_scratch",
+        owner=callback_list.CallbackList,
+        attribute="set_model",
+        make_replacement=_callback_paths_per_worker,
+    ),
+)
+
+_ORIGINALS: dict[str, Callable] = {}
+
+
+def apply_fixes() -> list[str]:
+    """Applies every fix the installed Keras needs (idempotent) and returns their names."""
+    if keras.backend.backend() != "tensorflow":
+        return []
+    version = keras_version()
+    for fix in FIXES:
+        if fix.name in _ORIGINALS or not fix.applies_to(version):
+            continue
+        original = getattr(fix.owner, fix.attribute)
+        _ORIGINALS[fix.name] = original
+        setattr(fix.owner, fix.attribute, fix.make_replacement(original))
+    return active_fix_names()
+
+
+def active_fix_names() -> list[str]:
+    """Names of the fixes currently applied."""
+    return [fix.name for fix in FIXES if fix.name in _ORIGINALS]
+
+
+def original_function(name: str) -> Callable:
+    """The unpatched Keras function behind fix `name` (to check whether upstream still needs it)."""
+    for fix in FIXES:
+        if fix.name == name:
+            return _ORIGINALS.get(name, getattr(fix.owner, fix.attribute))
+    known = ", ".join(fix.name for fix in FIXES)
+    raise KeyError(f"No fix named {name!r}. Known fixes: {known}")

@@ -1,0 +1,307 @@
+"""Run N copies of a training command as a local multi-worker cluster, like torchrun.
+
+Each worker gets its own process group, loopback port and `TF_CONFIG`. If any
+worker fails, the others are stopped (SIGTERM, then SIGKILL after a grace
+period) and the failure is reported; optionally the whole group restarts with
+fresh ports. No TensorFlow is imported here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+VIRTUAL_DEVICES_ENV = "TFMULTI_VIRTUAL_DEVICES"
+_POLL_SECONDS = 0.05
+_PR_SET_PDEATHSIG = 1
+
+
+class LaunchError(ValueError):
+    """Raised for a launch request that cannot be carried out."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerExit:
+    """How one worker process ended."""
+
+    rank: int
+    returncode: int
+
+    def describe(self) -> str:
+        if self.returncode < 0:
+            return f"worker {self.rank} was killed by {signal.Signals(-self.returncode).name}"
+        return f"worker {self.rank} exited with code {self.returncode}"
+
+    @property
+    def exit_status(self) -> int:
+        """The status a shell would report: the code, or 128 + signal number."""
+        return self.returncode if self.returncode > 0 else 128 - self.returncode
+
+
+def free_loopback_ports(count: int) -> list[int]:
+    """Returns `count` distinct TCP ports free on 127.0.0.1 right now."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def visible_gpu_count() -> int:
+    """Number of NVIDIA GPUs `nvidia-smi -L` lists; 0 without nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        listing = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout
+    except (subprocess.SubprocessError, OSError):
+        return 0
+    return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
+
+
+def worker_environments(
+    num_workers: int,
+    devices_per_worker: int | None = None,
+    num_gpus: int = 0,
+    base_environment: dict[str, str] | None = None,
+) -> list[dict[str, str]]:
+    """Environment of each worker: `TF_CONFIG` on fresh loopback ports, and its devices.
+
+    Args:
+        num_workers: workers in the group.
+        devices_per_worker: GPUs per worker when `num_gpus` > 0 (default: an even
+            share), else logical CPU devices, passed as TFMULTI_VIRTUAL_DEVICES.
+        num_gpus: GPUs on this machine; each worker gets a CUDA_VISIBLE_DEVICES slice.
+        base_environment: copied into every worker's environment; default os.environ.
+
+    Example:
+        >>> worker_environments(2, devices_per_worker=2)[1]["TF_CONFIG"]
+        '{"cluster": {"worker": ["127.0.0.1:...", "127.0.0.1:..."]}, "task": {...}}'
+    """
+    if num_workers < 1:
+        raise LaunchError(f"num_workers must be >= 1. Received: num_workers={num_workers}")
+    if devices_per_worker is not None and devices_per_worker < 1:
+        raise LaunchError(
+            f"devices_per_worker must be >= 1. Received: devices_per_worker={devices_per_worker}"
+        )
+    gpus_per_worker = devices_per_worker or (num_gpus // num_workers)
+    if num_gpus and gpus_per_worker * num_workers > num_gpus:
+        raise LaunchError(
+            f"{num_workers} workers x {gpus_per_worker} GPUs need more than the {num_gpus} "
+            f"GPUs here. Received: devices_per_worker={devices_per_worker}"
+        )
+    addresses = [f"127.0.0.1:{port}" for port in free_loopback_ports(num_workers)]
+    environments = []
+    for rank in range(num_workers):
+        environment = dict(os.environ if base_environment is None else base_environment)
+        environment["TF_CONFIG"] = json.dumps(
+            {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": rank}}
+        )
+        # Progress bars and prefixed lines appear as they are printed, not at exit.
+        environment["PYTHONUNBUFFERED"] = "1"
+        if num_gpus and gpus_per_worker:
+            first = rank * gpus_per_worker
+            gpu_ids = range(first, first + gpus_per_worker)
+            environment["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in gpu_ids)
+        elif devices_per_worker is not None:
+            environment[VIRTUAL_DEVICES_ENV] = str(devices_per_worker)
+        environments.append(environment)
+    return environments
+
+
+def _die_with_parent() -> None:
+    # A launcher killed by SIGKILL cannot stop its workers; the kernel does it instead.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class _OutputRelay:
+    """Copies workers' output to one stream, each line prefixed with the worker's rank.
+
+    The chief's carriage returns pass through so its progress bar redraws in
+    place; other workers' output is shown a whole line at a time.
+    """
+
+    def __init__(self, stream: TextIO):
+        self._stream = stream
+        self._lock = threading.Lock()
+        self._open_line_owner: int | None = None
+
+    def relay(self, rank: int, pipe) -> None:
+        if rank == 0:
+            self._relay_chief(pipe)
+        else:
+            for raw_line in iter(pipe.readline, b""):
+                text = raw_line.decode(errors="replace").rstrip("\n").split("\r")[-1]
+                self._write(rank, f"[worker {rank}] {text}\n", ends_line=True)
+        pipe.close()
+
+    def _relay_chief(self, pipe) -> None:
+        at_line_start = True
+        for chunk in iter(lambda: os.read(pipe.fileno(), 4096), b""):
+            pieces = []
+            for char in chunk.decode(errors="replace"):
+                if at_line_start and char not in "\r\n":
+                    pieces.append("[worker 0] ")
+                    at_line_start = False
+                pieces.append(char)
+                if char in "\r\n":
+                    at_line_start = True
+            text = "".join(pieces)
+            self._write(0, text, ends_line=text.endswith("\n"))
+
+    def _write(self, rank: int, text: str, ends_line: bool) -> None:
+        with self._lock:
+            if self._open_line_owner not in (None, rank):
+                self._stream.write("\n")
+            self._stream.write(text)
+            self._stream.flush()
+            self._open_line_owner = None if ends_line else rank
+
+
+class WorkerGroup:
+    """One attempt: the worker processes of a group, started together and stopped together."""
+
+    def __init__(self, command: Sequence[str], environments: list[dict[str, str]], stream: TextIO):
+        self._relay = _OutputRelay(stream)
+        self.processes: list[subprocess.Popen] = []
+        self._threads: list[threading.Thread] = []
+        for rank, environment in enumerate(environments):
+            process = subprocess.Popen(
+                list(command),
+                env=environment,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+            self.processes.append(process)
+            thread = threading.Thread(
+                target=self._relay.relay, args=(rank, process.stdout), daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self.processes]
+
+    def wait(self, should_stop: threading.Event) -> WorkerExit | None:
+        """Waits until all workers succeed (None), one fails, or `should_stop` is set."""
+        while not should_stop.is_set():
+            exits = [process.poll() for process in self.processes]
+            for rank, returncode in enumerate(exits):
+                if returncode not in (None, 0):
+                    return WorkerExit(rank, returncode)
+            if all(returncode == 0 for returncode in exits):
+                return None
+            time.sleep(_POLL_SECONDS)
+        return None
+
+    def stop(self, grace_seconds: float) -> None:
+        """Sends SIGTERM to every worker's process group, then SIGKILL after the grace period."""
+        self._signal_groups(signal.SIGTERM)
+        deadline = time.monotonic() + grace_seconds
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.processes):
+            time.sleep(_POLL_SECONDS)
+        self._signal_groups(signal.SIGKILL)
+        for process in self.processes:
+            process.wait()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def _signal_groups(self, signum: int) -> None:
+        # Each worker leads its own group; killing the group also reaches its children.
+        for process in self.processes:
+            try:
+                os.killpg(process.pid, signum)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def launch(
+    command: Sequence[str],
+    num_workers: int,
+    devices_per_worker: int | None = None,
+    max_restarts: int = 0,
+    grace_seconds: float = 10.0,
+    stream: TextIO | None = None,
+    messages: TextIO | None = None,
+) -> int:
+    """Runs `command` as `num_workers` local workers and returns the exit status (0: success).
+
+    Args:
+        command: the worker command, e.g. ["python", "scripts/train.py", "--strategy=multi_worker"].
+        num_workers: workers to start.
+        devices_per_worker: GPUs or logical CPU devices per worker (see `worker_environments`).
+        max_restarts: how many times the whole group restarts, on fresh ports, after a failure.
+        grace_seconds: time between SIGTERM and SIGKILL when stopping workers.
+        stream: where workers' prefixed output goes; default sys.stdout.
+        messages: where the launcher's own messages go; default sys.stderr.
+
+    Example:
+        >>> launch(["python", "train.py", "--strategy=multi_worker"], num_workers=2)
+        0
+    """
+    if not command:
+        raise LaunchError("No worker command given. Received: command=[]")
+    if max_restarts < 0:
+        raise LaunchError(f"max_restarts must be >= 0. Received: max_restarts={max_restarts}")
+    if grace_seconds <= 0:
+        raise LaunchError(f"grace_seconds must be > 0. Received: grace_seconds={grace_seconds}")
+    stream = stream or sys.stdout
+    messages = messages or sys.stderr
+    num_gpus = visible_gpu_count()
+    should_stop = threading.Event()
+    received_signals: list[int] = []
+
+    def request_stop(signum, frame):
+        received_signals.append(signum)
+        should_stop.set()
+
+    previous_handlers = {
+        signum: signal.signal(signum, request_stop) for signum in (signal.SIGINT, signal.SIGTERM)
+    }
+    # Non-chief workers keep scratch files under TMPDIR; a private one is removed
+    # even when a worker is killed before it can clean up.
+    scratch_root = tempfile.mkdtemp(prefix="tfmulti-launch-")
+    try:
+        for attempt in range(max_restarts + 1):
+            environments = worker_environments(num_workers, devices_per_worker, num_gpus)
+            for environment in environments:
+                environment["TMPDIR"] = scratch_root
+            group = WorkerGroup(command, environments, stream)
+            failure = group.wait(should_stop)
+            group.stop(grace_seconds)
+            if received_signals:
+                name = signal.Signals(received_signals[0]).name
+                messages.write(f"launch: received {name}; stopped all workers\n")
+                return 128 + received_signals[0]
+            if failure is None:
+                return 0
+            messages.write(f"launch: {failure.describe()}; stopped the other workers\n")
+            if attempt < max_restarts:
+                messages.write(f"launch: restarting all workers ({attempt + 1}/{max_restarts})\n")
+        return failure.exit_status
+    finally:
+        for signum, handler in previous_handlers.items():
+            signal.signal(signum, handler)
+        shutil.rmtree(scratch_root, ignore_errors=True)
