@@ -1,0 +1,173 @@
+"""The local launcher: failures are reported and contained, groups restart, output is labelled."""
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCH = os.path.join(REPO_ROOT, "scripts", "launch.py")
+WORKER = os.path.join(REPO_ROOT, "tests", "workers", "launcher_worker.py")
+
+
+def run_launcher(launch_flags, worker_flags, timeout=60):
+    command = [sys.executable, LAUNCH, *launch_flags, "--", sys.executable, WORKER, *worker_flags]
+    result = subprocess.run(command, capture_output=True, timeout=timeout)
+    # Decoded by hand: text mode would turn the progress bar's carriage returns into newlines.
+    result.stdout, result.stderr = result.stdout.decode(), result.stderr.decode()
+    return result
+
+
+def recorded_pids(pid_dir):
+    pids = []
+    for path in glob.glob(os.path.join(pid_dir, "*")):
+        with open(path) as file:
+            pids.extend(int(pid) for pid in file.read().split())
+    return pids
+
+
+def is_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as file:  # a zombie is dead, only not yet reaped
+        return file.read().split(")")[-1].split()[0] != "Z"
+
+
+def assert_no_survivors(pid_dir):
+    deadline = time.monotonic() + 5  # orphaned children are reaped by init asynchronously
+    while time.monotonic() < deadline and any(is_alive(pid) for pid in recorded_pids(pid_dir)):
+        time.sleep(0.05)
+    survivors = [pid for pid in recorded_pids(pid_dir) if is_alive(pid)]
+    assert not survivors, f"processes left running: {survivors}"
+
+
+def test_worker_exit_code_is_reported_and_the_others_are_stopped(tmp_path):
+    result = run_launcher(
+        ["--num_workers=3", "--grace_seconds=2"],
+        ["--pid_dir", str(tmp_path), "--fail_rank=1", "--run_seconds=60"],
+    )
+    assert result.returncode == 3
+    assert "worker 1 exited with code 3" in result.stderr
+    assert len(recorded_pids(tmp_path)) == 6
+    assert_no_survivors(tmp_path)
+
+
+def test_sigkilled_worker_is_reported_and_no_process_survives(tmp_path):
+    result = run_launcher(
+        ["--num_workers=2", "--grace_seconds=2"],
+        ["--pid_dir", str(tmp_path), "--fail_rank=1", "--fail_with=sigkill", "--run_seconds=60"],
+    )
+    assert result.returncode == 128 + signal.SIGKILL
+    assert "worker 1 was killed by SIGKILL" in result.stderr
+    assert_no_survivors(tmp_path)
+
+
+def test_workers_ignoring_sigterm_are_killed_after_the_grace_period(tmp_path):
+    result = run_launcher(
+        ["--num_workers=2", "--grace_seconds=1"],
+        ["--pid_dir", str(tmp_path), "--fail_rank=1", "--ignore_sigterm", "--run_seconds=60"],
+    )
+    assert result.returncode == 3
+    assert_no_survivors(tmp_path)
+
+
+def test_max_restarts_restarts_the_whole_group_which_then_succeeds(tmp_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    marker = tmp_path / "failed_once"
+    result = run_launcher(
+        ["--num_workers=2", "--max_restarts=1", "--grace_seconds=2"],
+        ["--pid_dir", str(pid_dir), "--fail_rank=1", f"--fail_once_marker={marker}"],
+    )
+    assert result.returncode == 0, result.stderr
+    assert "worker 1 exited with code 3" in result.stderr
+    assert "restarting all workers (1/1)" in result.stderr
+    assert len(list(pid_dir.iterdir())) == 4  # two attempts of two workers
+    assert result.stdout.count("done") == 2
+    assert_no_survivors(pid_dir)
+
+
+def test_failure_beyond_max_restarts_is_final(tmp_path):
+    result = run_launcher(
+        ["--num_workers=2", "--max_restarts=1", "--grace_seconds=2"],
+        ["--pid_dir", str(tmp_path), "--fail_rank=0"],
+    )
+    assert result.returncode == 3
+    assert result.stderr.count("worker 0 exited with code 3") == 2
+
+
+def test_output_is_prefixed_by_rank_and_the_chief_progress_bar_keeps_carriage_returns(tmp_path):
+    result = run_launcher(
+        ["--num_workers=2", "--devices_per_worker=2"], ["--pid_dir", str(tmp_path)]
+    )
+    assert result.returncode == 0, result.stderr
+    assert "[worker 0] tf_config task 0 devices 2\n" in result.stdout
+    assert "[worker 1] tf_config task 1 devices 2\n" in result.stdout
+    assert "[worker 0] step 1/2\r[worker 0] step 2/2\n" in result.stdout
+    assert "[worker 1] step 2/2\n" in result.stdout
+    assert "[worker 1] step 1/2" not in result.stdout
+
+
+def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
+    command = [
+        sys.executable,
+        LAUNCH,
+        "--num_workers=2",
+        "--grace_seconds=2",
+        "--",
+        sys.executable,
+        WORKER,
+        "--pid_dir",
+        str(tmp_path),
+        "--run_seconds=60",
+    ]
+    launcher = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=30)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert launcher.returncode == 128 + signal.SIGTERM
+    assert "received SIGTERM" in stderr
+    assert_no_survivors(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--num_workers=0"], "--num_workers"),
+        (["--num_workers=2", "--max_restarts=-1"], "--max_restarts"),
+        (["--num_workers=2", "--grace_seconds=0"], "--grace_seconds"),
+        (["--num_workers=2", "--devices_per_worker=0"], "--devices_per_worker"),
+        ([], "--num_workers"),
+    ],
+)
+def test_bad_flag_gives_one_line_naming_the_flag(flags, named):
+    result = subprocess.run(
+        [sys.executable, LAUNCH, *flags, "--", "true"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode != 0
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert named in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_worker_command_gives_one_line():
+    result = subprocess.run(
+        [sys.executable, LAUNCH, "--num_workers=2"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert "after --" in result.stderr
