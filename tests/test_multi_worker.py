@@ -1,0 +1,126 @@
+"""Keras 3 fit/evaluate/predict on real local workers under MultiWorkerMirroredStrategy."""
+
+import glob
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tests.workers.local_cluster import WORKERS_DIR, run_local_cluster
+
+
+def load_worker_module():
+    spec = importlib.util.spec_from_file_location(
+        "mwms_worker", os.path.join(WORKERS_DIR, "mwms_worker.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def single_process_reference(epochs):
+    """Plain Keras, one process, same model, data order and global batch."""
+    worker = load_worker_module()
+    x, y = worker.make_data()
+    model = worker.make_model()
+    history = model.fit(
+        x, y, batch_size=worker.GLOBAL_BATCH, epochs=epochs, shuffle=False, verbose=0
+    )
+    return {
+        "weights": model.get_weights(),
+        "loss": history.history["loss"],
+        "evaluation": model.evaluate(x, y, batch_size=worker.GLOBAL_BATCH, verbose=0),
+        "predictions": model.predict(x, batch_size=worker.GLOBAL_BATCH, verbose=0),
+    }
+
+
+def run_workers(tmp_path, devices, epochs=2, model_dir=None):
+    out = tmp_path / f"out-{devices}-{epochs}"
+    out.mkdir()
+    model_dir = model_dir or tmp_path / f"model-{devices}"
+    flags = [
+        f"--devices={devices}",
+        f"--epochs={epochs}",
+        f"--out={out}",
+        f"--model_dir={model_dir}",
+    ]
+    for returncode, output in run_local_cluster("mwms_worker.py", flags, timeout_seconds=120):
+        assert returncode == 0, output[-3000:]
+    return [json.loads((out / f"worker{rank}.json").read_text()) for rank in range(2)], model_dir
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["2x1", "2x2"])
+def cluster_run(request, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp(f"mwms{request.param}")
+    results, model_dir = run_workers(tmp_path, request.param)
+    return request.param, results, model_dir
+
+
+def test_every_replica_of_every_worker_takes_part(cluster_run):
+    devices, results, _ = cluster_run
+    assert [result["num_replicas"] for result in results] == [2 * devices] * 2
+
+
+def test_workers_end_with_identical_weights(cluster_run):
+    _, (chief, other), _ = cluster_run
+    for chief_weight, other_weight in zip(chief["weights"], other["weights"], strict=True):
+        np.testing.assert_array_equal(chief_weight, other_weight)
+
+
+def test_weights_equal_single_process_training_with_the_same_global_batch(cluster_run):
+    _, (chief, _), _ = cluster_run
+    reference = single_process_reference(epochs=2)
+    for weight, expected in zip(chief["weights"], reference["weights"], strict=True):
+        np.testing.assert_allclose(weight, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(chief["loss"], reference["loss"], rtol=1e-5)
+    # The run must have trained: otherwise equal weights would prove nothing.
+    assert not np.allclose(chief["weights"][0], load_worker_module().make_model().get_weights()[0])
+
+
+def test_evaluate_and_predict_match_single_process_on_every_worker(cluster_run):
+    _, results, _ = cluster_run
+    reference = single_process_reference(epochs=2)
+    for result in results:
+        np.testing.assert_allclose(result["evaluation"], reference["evaluation"], rtol=1e-5)
+        np.testing.assert_allclose(
+            result["predictions"], reference["predictions"], rtol=1e-5, atol=1e-6
+        )
+
+
+def test_only_the_chief_writes_into_model_dir(cluster_run):
+    _, (_, other), model_dir = cluster_run
+    files = sorted(
+        os.path.relpath(path, model_dir)
+        for path in glob.glob(f"{model_dir}/**", recursive=True)
+        if os.path.isfile(path)
+    )
+    events = [name for name in files if "tfevents" in name]
+    assert [name for name in files if name.endswith(".h5")] == [
+        "backup/latest.weights.h5",
+        "ckpt-1.weights.h5",
+        "ckpt-2.weights.h5",
+    ]
+    assert len(events) == 1, events  # the chief's train log; worker 1 logged to scratch
+    assert not os.path.exists(other["scratch_dir"]), "non-chief scratch dir was not removed"
+
+
+def test_profile_has_one_host_entry_per_worker_in_the_chief_log_dir(cluster_run):
+    _, results, model_dir = cluster_run
+    traces = sorted(glob.glob(f"{model_dir}/logs/plugins/profile/*/*.xplane.pb"))
+    assert [os.path.basename(path) for path in traces] == ["worker0.xplane.pb", "worker1.xplane.pb"]
+    assert len({os.path.dirname(path) for path in traces}) == 1
+    assert all(os.path.getsize(path) > 0 for path in traces)
+    assert sorted(result["trace_path"] for result in results) == traces
+
+
+def test_backup_and_restore_resumes_every_worker_from_the_last_epoch(tmp_path):
+    first, model_dir = run_workers(tmp_path, devices=1, epochs=1)
+    resumed, _ = run_workers(tmp_path, devices=1, epochs=2, model_dir=model_dir)
+    reference = single_process_reference(epochs=2)
+    for result in resumed:
+        assert len(result["loss"]) == 1  # epoch 1 was restored, only epoch 2 ran
+        np.testing.assert_allclose(result["loss"], reference["loss"][1:], rtol=1e-5)
+        for weight, expected in zip(result["weights"], reference["weights"], strict=True):
+            np.testing.assert_allclose(weight, expected, rtol=1e-5, atol=1e-6)
