@@ -8,7 +8,20 @@ import importlib
 
 __version__ = "0.1.0"
 
-_LAZY_EXPORTS = {}
+_LAZY_EXPORTS = {
+    "configure_logical_devices": "tfmulti.devices",
+    "get_strategy": "tfmulti.strategy",
+    "per_replica_batch_size": "tfmulti.strategy",
+    "TrainConfig": "tfmulti.config",
+    "train": "tfmulti.training",
+    "TrainingError": "tfmulti.errors",
+    "ThroughputLogger": "tfmulti.callbacks",
+    "StopOnNonFiniteLoss": "tfmulti.callbacks",
+    "EpochCheckpoint": "tfmulti.checkpointing",
+    "latest_checkpoint": "tfmulti.checkpointing",
+    "ProfileSteps": "tfmulti.profiling",
+    "make_datasets": "tfmulti.data",
+}
 
 
 def __getattr__(name):

@@ -8,6 +8,7 @@ import os
 import keras
 from absl import logging
 
+from models import registry
 from tfmulti import data as data_lib
 from tfmulti.callbacks import StopOnNonFiniteLoss, ThroughputLogger
 from tfmulti.checkpointing import EpochCheckpoint, latest_checkpoint
@@ -23,8 +24,8 @@ def build_optimizer(name: str, learning_rate: float) -> keras.optimizers.Optimiz
     return keras.optimizers.get({"class_name": name, "config": {"learning_rate": learning_rate}})
 
 
-def compile_model(model: keras.Model, config: TrainConfig, info: data_lib.DataInfo) -> None:
-    """Compiles `model` for the task in `info` with the optimizer and settings of `config`."""
+def compile_model(model: keras.Model, config: TrainConfig) -> None:
+    """Compiles `model` with the optimizer and settings of `config` (logits, integer labels)."""
     model.compile(
         optimizer=build_optimizer(config.optimizer, config.learning_rate),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -93,20 +94,26 @@ def train(config: TrainConfig) -> dict:
     output_dir = config.model_dir
     resume_epoch = check_model_dir(output_dir, config.resume)
 
-    train_data, validation_data, info = data_lib.make_datasets(
-        config.dataset,
+    registry.check_model_accepts(config.model, data_lib.dataset_task(config.dataset))
+    source = data_lib.load_source(config.dataset, data_path=config.data_path, seed=config.seed)
+    registry.check_model_accepts(config.model, source.info.task, source.info.input_shape)
+    steps_per_epoch = config.steps_per_epoch or source.info.num_train_examples // config.batch_size
+    data = data_lib.make_datasets_from_source(
+        source,
         config.batch_size,
         seed=config.seed,
-        data_path=config.data_path,
-        **data_lib.options_for_model(config.model, config.model_options),
+        steps_per_epoch=steps_per_epoch,
+        start_step=resume_epoch * steps_per_epoch,
     )
     with strategy.scope():
-        from models import registry
-
         model = registry.build_model(
-            config.model, info.input_shape, info.num_classes, config.seed, **config.model_options
+            config.model,
+            data.info.input_shape,
+            data.info.num_classes,
+            config.seed,
+            **config.model_options,
         )
-        compile_model(model, config, info)
+        compile_model(model, config)
 
     run = {
         **config.to_dict(),
@@ -125,12 +132,13 @@ def train(config: TrainConfig) -> dict:
         config.batch_size,
         per_replica,
     )
+    validation_steps = config.validation_steps or data.validation_steps
     model.fit(
-        train_data,
-        validation_data=validation_data,
+        data.train,
+        validation_data=data.validation,
         epochs=config.epochs,
-        steps_per_epoch=config.steps_per_epoch,
-        validation_steps=config.validation_steps,
+        steps_per_epoch=data.steps_per_epoch,
+        validation_steps=validation_steps,
         callbacks=callbacks,
         verbose=2,
     )
@@ -141,9 +149,7 @@ def train(config: TrainConfig) -> dict:
         raise TrainingError(
             f"Training stopped: {message}. Lower --learning_rate or use --dtype=float32."
         )
-    final = model.evaluate(
-        validation_data, steps=config.validation_steps, verbose=0, return_dict=True
-    )
+    final = model.evaluate(data.validation, steps=validation_steps, verbose=0, return_dict=True)
     record.finish(final)
     logging.info("Finished. TensorBoard logs: %s", os.path.join(output_dir, "logs"))
     return record.record

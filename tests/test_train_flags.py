@@ -1,0 +1,73 @@
+"""`scripts/train.py` rejects bad input with one line that names the problem."""
+
+import pytest
+from script_runner import last_line, run_script
+
+BAD_FLAGS = [
+    ("--batch_size=0", "batch_size"),
+    ("--epochs=0", "epochs"),
+    ("--strategy=parameter_server", "strategy"),
+    ("--model=vgg", "model"),
+    ("--dataset=imagenet", "dataset"),
+    ("--dtype=float8", "dtype"),
+    ("--optimizer=lion", "optimizer"),
+    ("--learning_rate=-1", "learning_rate"),
+    ("--steps_per_execution=0", "steps_per_execution"),
+    ("--profile_steps=5,3", "profile_steps"),
+    ("--profile_steps=abc", "profile_steps"),
+    ("--virtual_devices=-2", "virtual_devices"),
+    ("--no_such_flag=1", "no_such_flag"),
+]
+
+
+@pytest.mark.parametrize("flag, name", BAD_FLAGS)
+def test_bad_flag_exits_with_one_line_naming_the_flag(flag, name):
+    result = run_script("train.py", flag, timeout=60)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert name in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_global_batch_not_divisible_by_replicas_is_one_line(tmp_path):
+    result = run_script(
+        "train.py",
+        "--virtual_devices=4",
+        "--batch_size=30",
+        "--epochs=1",
+        f"--model_dir={tmp_path}",
+    )
+    assert result.returncode != 0
+    assert "batch_size=30" in last_line(result.stderr)
+    assert "Traceback" not in result.stderr
+
+
+def test_more_devices_than_exist_is_one_line(tmp_path):
+    result = run_script(
+        "train.py", "--virtual_devices=2", "--num_devices=4", f"--model_dir={tmp_path}"
+    )
+    assert result.returncode != 0
+    assert "--virtual_devices" in last_line(result.stderr)
+    assert "Traceback" not in result.stderr
+
+
+def test_model_and_dataset_that_do_not_fit_is_one_line(tmp_path):
+    result = run_script(
+        "train.py", "--model=transformer", "--dataset=digits", f"--model_dir={tmp_path}"
+    )
+    assert result.returncode != 0
+    assert "dataset" in last_line(result.stderr)
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_data_file_is_one_line(tmp_path):
+    result = run_script(
+        "train.py",
+        "--dataset=npz",
+        f"--data_path={tmp_path}/missing.npz",
+        f"--model_dir={tmp_path}/run",
+    )
+    assert result.returncode != 0
+    assert "missing.npz" in last_line(result.stderr)
+    assert "Traceback" not in result.stderr
