@@ -51,26 +51,39 @@ def install_when_keras_loads() -> None:
 
 
 class _KerasImportHook(importlib.abc.MetaPathFinder):
-    """Finds `keras` with the other finders and runs `install()` after it executes."""
+    """Finds `keras` with the other finders and runs `install()` after it executes.
+
+    It stays on `sys.meta_path` until Keras has actually executed: TensorFlow looks
+    Keras up with `find_spec` before importing it.
+    """
+
+    def __init__(self):
+        self._finding = False
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "keras":
+        if fullname != "keras" or self._finding:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
+        self._finding = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._finding = False
         if spec is None or spec.loader is None:
             return spec
-        spec.loader = _InstallAfterLoading(spec.loader)
+        spec.loader = _InstallAfterLoading(spec.loader, self)
         return spec
 
 
 class _InstallAfterLoading(importlib.abc.Loader):
-    def __init__(self, loader):
+    def __init__(self, loader, hook):
         self._loader = loader
+        self._hook = hook
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
         self._loader.exec_module(module)
+        if self._hook in sys.meta_path:
+            sys.meta_path.remove(self._hook)
         install()

@@ -1,0 +1,133 @@
+"""Keras 3 compat fixes: when they load, what they change, whether upstream still needs them."""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import pytest
+
+import tfmulti.compat
+from tests.workers.local_cluster import REPO_ROOT, run_local_cluster
+from tfmulti.compat import keras_multi_worker, worker_paths
+
+# What the unpatched Keras function does under a real 2-worker strategy today.
+UPSTREAM_FAILURES = {
+    "symbolic_build_from_one_replica": "PerReplica",
+    "reduce_metrics_across_replicas_only": "Invalid reduction dimension 0",
+}
+
+
+def run_python(code):
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_importing_tfmulti_compat_loads_neither_tensorflow_nor_keras():
+    loaded = run_python(
+        "import sys, tfmulti, tfmulti.compat; tfmulti.compat.install_when_keras_loads(); "
+        "print(sorted(m for m in ('tensorflow', 'keras') if m in sys.modules))"
+    )
+    assert loaded == "[]"
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import tfmulti.compat; tfmulti.compat.install_when_keras_loads(); import keras",
+        "import keras, tfmulti.compat; tfmulti.compat.install_when_keras_loads()",
+        "import tfmulti.compat; tfmulti.compat.install_when_keras_loads(); import tensorflow",
+    ],
+    ids=["hook-before-keras", "keras-first", "tensorflow-imports-keras-later"],
+)
+def test_fixes_are_active_whichever_import_comes_first(code):
+    active = run_python(
+        f"{code}\nimport keras, tfmulti.compat\n"
+        "from keras.src.backend.tensorflow import trainer\n"
+        "print(tfmulti.compat.active_fixes(), hasattr(trainer.reduce_per_replica, '__wrapped__'))"
+    )
+    assert active == (
+        "['symbolic_build_from_one_replica', 'reduce_metrics_across_replicas_only', "
+        "'non_chief_callbacks_write_to_scratch'] True"
+    )
+
+
+def test_install_is_idempotent():
+    first = tfmulti.compat.install()
+    patched = keras_multi_worker.FIXES[0].owner._maybe_symbolic_build
+    assert tfmulti.compat.install() == first
+    assert keras_multi_worker.FIXES[0].owner._maybe_symbolic_build is patched
+
+
+@pytest.mark.parametrize(
+    "version, applies", [((2, 15), False), ((3, 0), True), ((3, 15, 1), True), ((3, 16), False)]
+)
+def test_fixes_apply_only_to_the_keras_versions_known_to_need_them(version, applies):
+    assert all(fix.applies_to(version) == applies for fix in keras_multi_worker.FIXES)
+
+
+def test_installed_keras_version_is_within_the_checked_range():
+    version = keras_multi_worker.keras_version()
+    assert version < keras_multi_worker.FIRST_UNCHECKED_KERAS, (
+        f"Keras {keras.version()} is newer than any checked: run tests/test_compat.py's "
+        "upstream test on it, then raise FIRST_UNCHECKED_KERAS or remove fixes"
+    )
+
+
+def test_non_chief_callbacks_write_to_scratch_and_resume_from_the_chief_backup(tmp_path):
+    chief_backup = tmp_path / "model" / "backup"
+    chief_backup.mkdir(parents=True)
+    (chief_backup / "training_metadata.json").write_text('{"epoch": 3, "batch": 0}')
+    callbacks = [
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "model" / "ckpt-{epoch}.keras")),
+        keras.callbacks.TensorBoard(str(tmp_path / "model" / "logs")),
+        keras.callbacks.BackupAndRestore(str(chief_backup)),
+        keras.callbacks.EarlyStopping(),
+    ]
+    scratch = tmp_path / "scratch"
+    worker_paths.redirect_to_scratch(callbacks, str(scratch))
+    worker_paths.redirect_to_scratch(callbacks, str(tmp_path / "elsewhere"))  # no second move
+
+    checkpoint, tensorboard, backup, _ = callbacks
+    assert checkpoint.filepath.startswith(str(scratch))
+    assert checkpoint.filepath.endswith("ckpt-{epoch}.keras")
+    assert tensorboard.log_dir.startswith(str(scratch))
+    for path in (backup.backup_dir, backup._weights_path, backup._training_metadata_path):
+        assert path.startswith(str(scratch))
+    with open(backup._training_metadata_path) as file:
+        assert json.load(file)["epoch"] == 3
+
+
+@pytest.fixture(scope="module")
+def upstream_probe(tmp_path_factory):
+    out = tmp_path_factory.mktemp("probe")
+    flags = ["--mode=upstream_probe", f"--out={out}", f"--model_dir={out}"]
+    for returncode, output in run_local_cluster("mwms_worker.py", flags, timeout_seconds=120):
+        assert returncode == 0, output[-3000:]
+    return [json.loads((out / f"worker{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.parametrize("fix_name", sorted(UPSTREAM_FAILURES))
+def test_upstream_keras_still_fails_without_fix(upstream_probe, fix_name):
+    for probe in upstream_probe:
+        error = probe[fix_name]["error"]
+        assert error is not None, f"upstream fixed {fix_name}: remove the fix"
+        assert UPSTREAM_FAILURES[fix_name] in error, (
+            f"unpatched {fix_name} now fails differently; recheck the fix: {error[:500]}"
+        )
+
+
+def test_upstream_keras_callbacks_still_write_to_user_paths_on_non_chief(upstream_probe):
+    probe = upstream_probe[1]["non_chief_callbacks_write_to_scratch"]
+    assert probe["error"] is None, probe["error"]
+    assert probe["saved_paths"] == [probe["user_path"]], (
+        "upstream fixed non_chief_callbacks_write_to_scratch: remove the fix"
+    )
