@@ -11,10 +11,9 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
+import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Mapping, Sequence
 
 COMMUNICATIONS = ("auto", "ring", "nccl")
@@ -199,9 +198,9 @@ def build_multi_worker_strategy(
         communication: collective implementation: "auto", "ring" (gRPC) or "nccl" (GPUs).
         timeout_seconds: a collective that takes longer fails with DeadlineExceeded
             instead of hanging; None waits forever.
-        connect_timeout_seconds: if set and the workers have not all joined by then, the
-            process prints which peers are unreachable and exits with status 1
-            (TensorFlow waits for peers inside C++, where no exception can reach it).
+        connect_timeout_seconds: if set and the workers have not all joined by then, one
+            line naming the unreachable peers goes to stderr and the process is killed
+            (status 137): TensorFlow waits for peers in C++, where no exception reaches.
 
     Returns:
         A `tf.distribute.MultiWorkerMirroredStrategy`.
@@ -239,11 +238,7 @@ def build_multi_worker_strategy(
         task_id=task_id,
         rpc_layer="grpc",
     )
-    watchdog = None
-    if connect_timeout_seconds is not None:
-        watchdog = threading.Timer(connect_timeout_seconds, _exit_unjoined, (cluster,))
-        watchdog.daemon = True
-        watchdog.start()
+    watchdog = _start_join_watchdog(cluster, connect_timeout_seconds)
     try:
         return _new_strategy(resolver, options)
     except RuntimeError as error:
@@ -253,7 +248,42 @@ def build_multi_worker_strategy(
         ) from None
     finally:
         if watchdog is not None:
-            watchdog.cancel()
+            watchdog.stdin.close()  # tells the watchdog to stand down
+            watchdog.wait()
+
+
+# TensorFlow waits for peers in C++ without releasing the GIL, so neither a thread
+# nor a signal handler of this process can act; a separate process can.
+_WATCHDOG_CODE = """
+import os, select, signal, socket, sys
+parent, timeout, rank = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+addresses = sys.argv[4:]
+if select.select([sys.stdin], [], [], timeout)[0]:
+    sys.exit(0)
+def reachable(address):
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
+unreachable = [f"worker {peer} at {address}" for peer, address in enumerate(addresses)
+               if peer != rank and not reachable(address)]
+sys.stderr.write(f"tfmulti: worker {rank}: the {len(addresses)} workers did not all join "
+                 f"in {timeout:g} s; unreachable: {', '.join(unreachable) or 'none'}\\n")
+sys.stderr.flush()
+os.kill(parent, signal.SIGKILL)
+"""
+
+
+def _start_join_watchdog(cluster: ClusterInfo, timeout_seconds: float | None):
+    if timeout_seconds is None:
+        return None
+    arguments = [str(os.getpid()), str(timeout_seconds), str(cluster.task_index)]
+    return subprocess.Popen(
+        [sys.executable, "-c", _WATCHDOG_CODE, *arguments, *cluster.worker_addresses],
+        stdin=subprocess.PIPE,
+    )
 
 
 def _new_strategy(resolver, options):
@@ -280,29 +310,6 @@ def _new_strategy(resolver, options):
         LogicalCpuExtended(strategy, cluster_resolver=resolver, communication_options=options)
     )
     return strategy
-
-
-def _exit_unjoined(cluster: ClusterInfo) -> None:
-    unreachable = [
-        f"worker {rank} at {address}"
-        for rank, address in enumerate(cluster.worker_addresses)
-        if rank != cluster.task_index and not _accepts_connections(address)
-    ]
-    sys.stderr.write(
-        f"tfmulti: worker {cluster.task_index}: the {cluster.num_workers} workers did not all "
-        f"join in time; unreachable: {', '.join(unreachable) or 'none (peers up but stalled)'}\n"
-    )
-    sys.stderr.flush()
-    os._exit(1)
-
-
-def _accepts_connections(address: str) -> bool:
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=1.0):
-            return True
-    except OSError:
-        return False
 
 
 def worker_output_dir(model_dir: str, cluster: ClusterInfo) -> str:
