@@ -19,9 +19,11 @@ $(STAMP): setup.py
 
 demo: venv
 	rm -rf $(DEMO_DIR)
-	$(BIN)/python scripts/train.py --strategy=mirrored --virtual_devices=4 \
-		--model=convnet --dataset=digits --batch_size=128 --epochs=8 \
-		--learning_rate=0.003 --model_dir=$(DEMO_DIR)
+	$(BIN)/python scripts/train.py --strategy=pipeline --virtual_devices=4 \
+		--num_stages=4 --microbatches=8 --schedule=1f1b --partition=time \
+		--model=transformer --model_option=num_layers=6 --dataset=tokens \
+		--batch_size=64 --epochs=3 --steps_per_epoch=20 --trace_steps=3,4 \
+		--model_dir=$(DEMO_DIR)
 
 lint: venv
 	$(BIN)/ruff format --check .

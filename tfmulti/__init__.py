@@ -21,6 +21,8 @@ _LAZY_EXPORTS = {
     "latest_checkpoint": "tfmulti.checkpointing",
     "ProfileSteps": "tfmulti.profiling",
     "make_datasets": "tfmulti.data",
+    "PipelineModel": "tfmulti.pipeline.runtime",
+    "PipelineTimelineCallback": "tfmulti.pipeline.runtime",
 }
 
 

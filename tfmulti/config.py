@@ -38,6 +38,13 @@ class TrainConfig:
     resume: bool = False
     keep_checkpoints: int = 3
     multi_worker: dict = dataclasses.field(default_factory=dict)
+    num_stages: int = 2
+    microbatches: int = 4
+    schedule: str = "1f1b"
+    chunks: int = 1
+    partition: str = "uniform"
+    remat: bool = False
+    trace_steps: tuple[int, int] | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -14,25 +14,10 @@ from tfmulti.callbacks import StopOnNonFiniteLoss, ThroughputLogger
 from tfmulti.checkpointing import EpochCheckpoint, latest_checkpoint
 from tfmulti.config import TrainConfig
 from tfmulti.errors import TrainingError
+from tfmulti.model_setup import build_compiled_model, make_strategy
 from tfmulti.profiling import ProfileSteps
 from tfmulti.run_record import METRICS_FILE, RecordEpochs, RunRecord
-from tfmulti.strategy import get_strategy, per_replica_batch_size
-
-
-def build_optimizer(name: str, learning_rate: float) -> keras.optimizers.Optimizer:
-    """Returns a Keras optimizer by name ("sgd", "adam", ...) with `learning_rate`."""
-    return keras.optimizers.get({"class_name": name, "config": {"learning_rate": learning_rate}})
-
-
-def compile_model(model: keras.Model, config: TrainConfig) -> None:
-    """Compiles `model` with the optimizer and settings of `config` (logits, integer labels)."""
-    model.compile(
-        optimizer=build_optimizer(config.optimizer, config.learning_rate),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
-        jit_compile=config.jit_compile,
-        steps_per_execution=config.steps_per_execution,
-    )
+from tfmulti.strategy import per_replica_batch_size
 
 
 def check_model_dir(model_dir: str, resume: bool) -> int:
@@ -72,9 +57,20 @@ def standard_callbacks(
         RecordEpochs(record),
         keras.callbacks.TensorBoard(logs_dir, profile_batch=0),
     ]
+    if config.trace_steps:
+        from tfmulti.pipeline.runtime import PipelineTimelineCallback
+
+        callbacks.append(PipelineTimelineCallback(logs_dir, steps=config.trace_steps))
     if config.profile_steps:
         callbacks.append(ProfileSteps(os.path.join(logs_dir, "train"), config.profile_steps))
     return callbacks, nan_guard
+
+
+def _first_inputs(source: data_lib.ArrayData | data_lib.RecordData, batch_size: int):
+    """One global batch of inputs (any rows will do), to build and cost the model."""
+    if isinstance(source, data_lib.ArrayData):
+        return source.x_train[:batch_size]
+    return next(iter(source.train.batch(batch_size).take(1)))[0].numpy()
 
 
 def train(config: TrainConfig) -> dict:
@@ -86,9 +82,7 @@ def train(config: TrainConfig) -> dict:
     """
     keras.utils.set_random_seed(config.seed)
     keras.mixed_precision.set_dtype_policy(config.dtype)
-    strategy = get_strategy(
-        config.strategy, config.num_devices, config.all_reduce, **config.multi_worker
-    )
+    strategy = make_strategy(config)
     replicas = strategy.num_replicas_in_sync
     per_replica = per_replica_batch_size(config.batch_size, replicas)
     output_dir = config.model_dir
@@ -105,16 +99,9 @@ def train(config: TrainConfig) -> dict:
         steps_per_epoch=steps_per_epoch,
         start_step=resume_epoch * steps_per_epoch,
     )
-    with strategy.scope():
-        model = registry.build_model(
-            config.model,
-            data.info.input_shape,
-            data.info.num_classes,
-            config.seed,
-            **config.model_options,
-        )
-        compile_model(model, config)
-
+    model = build_compiled_model(
+        config, data.info, strategy, _first_inputs(source, config.batch_size)
+    )
     run = {
         **config.to_dict(),
         "num_replicas": replicas,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import os
 
 from absl import flags
 
 from tfmulti.config import DTYPE_POLICIES, OPTIMIZER_NAMES, TrainConfig
-from tfmulti.names import ALL_REDUCE_NAMES, DATASET_NAMES, MODEL_NAMES, STRATEGY_NAMES
+from tfmulti.names import ALL_REDUCE_NAMES, DATASET_NAMES, MODEL_NAMES, TRAIN_STRATEGY_NAMES
+from tfmulti.pipeline.schedules import SCHEDULE_NAMES
 
 FLAGS = flags.FLAGS
 VIRTUAL_DEVICES_ENV = "TFMULTI_VIRTUAL_DEVICES"
@@ -25,9 +27,20 @@ def _parses_as_step_range(text: str | None) -> bool:
     return True
 
 
+def _parse_model_option(text: str) -> tuple[str, object] | None:
+    """Returns (name, value) of "NAME=VALUE", the value read as a Python literal if it is one."""
+    name, separator, value = text.partition("=")
+    if not separator or not name.strip().isidentifier():
+        return None
+    try:
+        return name.strip(), ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        return name.strip(), value.strip()
+
+
 def define_device_flags() -> None:
     """Strategy and device flags."""
-    flags.DEFINE_enum("strategy", "mirrored", STRATEGY_NAMES, "How to spread training.")
+    flags.DEFINE_enum("strategy", "mirrored", TRAIN_STRATEGY_NAMES, "How to spread training.")
     flags.DEFINE_integer(
         "virtual_devices",
         int(os.environ.get(VIRTUAL_DEVICES_ENV, "0")),
@@ -49,6 +62,17 @@ def define_data_flags() -> None:
     flags.DEFINE_enum("dataset", "digits", DATASET_NAMES, "Training data.")
     flags.DEFINE_string("data_path", None, "File(s) for --dataset=npz or tfrecord.")
     flags.DEFINE_integer("seed", 0, "Seed of weights, data order and dropout.")
+    flags.DEFINE_multi_string(
+        "model_option",
+        [],
+        "A model option NAME=VALUE (a Python literal), repeatable, e.g. "
+        "--model_option=num_layers=6 --model_option='hidden_units=(128, 128)'.",
+    )
+    flags.register_validator(
+        "model_option",
+        lambda options: all(_parse_model_option(option) for option in options),
+        message="--model_option must be NAME=VALUE, e.g. --model_option=num_layers=6",
+    )
 
 
 def define_loop_flags() -> None:
@@ -94,9 +118,57 @@ def define_output_flags() -> None:
     )
 
 
+def _is_partition_spec(text: str) -> bool:
+    from tfmulti.pipeline.balance import parse_partition_spec
+
+    try:
+        parse_partition_spec(text)
+    except ValueError:
+        return False
+    return True
+
+
+def define_pipeline_flags() -> None:
+    """Flags of --strategy=pipeline and --strategy=model_parallel."""
+    flags.DEFINE_integer(
+        "num_stages", 2, "Pipeline depth: devices the stages are spread over.", lower_bound=1
+    )
+    flags.DEFINE_integer(
+        "microbatches", 4, "Micro-batches per step (the batch must divide).", lower_bound=1
+    )
+    flags.DEFINE_enum("schedule", "1f1b", SCHEDULE_NAMES, "Pipeline schedule.")
+    flags.DEFINE_integer(
+        "chunks", 1, "Model chunks per device (interleaved_1f1b needs >= 2).", lower_bound=1
+    )
+    flags.DEFINE_string(
+        "partition", "uniform", "Stage split: uniform, params, time or manual:3,6,9."
+    )
+    flags.register_validator(
+        "partition",
+        _is_partition_spec,
+        message="--partition must be uniform, params, time or manual:B1,B2,... "
+        "(first block of each later stage)",
+    )
+    flags.DEFINE_boolean("remat", False, "Recompute each stage's forward in its backward.")
+    flags.DEFINE_string(
+        "trace_steps", None, "Record the measured pipeline timeline of steps FIRST,LAST."
+    )
+    flags.register_validator(
+        "trace_steps",
+        _parses_as_step_range,
+        message="--trace_steps must be FIRST,LAST with 1 <= FIRST <= LAST, e.g. 3,4",
+    )
+    flags.register_multi_flags_validator(
+        ["schedule", "chunks"],
+        lambda values: (values["schedule"] == "interleaved_1f1b") == (values["chunks"] >= 2),
+        message="--chunks >= 2 goes with --schedule=interleaved_1f1b, and only with it",
+    )
+
+
 def define_train_flags() -> None:
     """Defines every flag of `scripts/train.py`."""
     define_device_flags()
+    define_pipeline_flags()
     define_data_flags()
     define_loop_flags()
     define_output_flags()
@@ -111,6 +183,7 @@ def config_from_flags() -> TrainConfig:
         num_devices=FLAGS.num_devices or None,
         all_reduce=FLAGS.all_reduce,
         model=FLAGS.model,
+        model_options=dict(_parse_model_option(option) for option in FLAGS.model_option),
         dataset=FLAGS.dataset,
         data_path=FLAGS.data_path,
         batch_size=FLAGS.batch_size,
@@ -128,4 +201,11 @@ def config_from_flags() -> TrainConfig:
         log_steps=FLAGS.log_steps,
         resume=FLAGS.resume,
         keep_checkpoints=FLAGS.keep_checkpoints,
+        num_stages=FLAGS.num_stages,
+        microbatches=FLAGS.microbatches,
+        schedule=FLAGS.schedule,
+        chunks=FLAGS.chunks,
+        partition=FLAGS.partition,
+        remat=FLAGS.remat,
+        trace_steps=parse_step_range(FLAGS.trace_steps) if FLAGS.trace_steps else None,
     )
