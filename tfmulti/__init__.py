@@ -6,7 +6,13 @@ imported without TensorFlow.
 
 import importlib
 
+from tfmulti.compat import install_when_keras_loads
+
 __version__ = "0.1.0"
+
+# Keras 3 needs fixes to train under MultiWorkerMirroredStrategy; they apply as
+# soon as Keras is imported, whichever of Keras and tfmulti comes first.
+install_when_keras_loads()
 
 _LAZY_EXPORTS = {
     "configure_logical_devices": "tfmulti.devices",

@@ -37,7 +37,12 @@ class TrainConfig:
     log_steps: int = 50
     resume: bool = False
     keep_checkpoints: int = 3
-    multi_worker: dict = dataclasses.field(default_factory=dict)
+    worker_hosts: list[str] | None = None
+    task_index: int | None = None
+    communication: str = "auto"
+    collective_timeout: float | None = None
+    connect_timeout: float | None = None
+    shard_policy: str = "auto"
     num_stages: int = 2
     microbatches: int = 4
     schedule: str = "1f1b"

@@ -22,17 +22,17 @@ def configure_logical_devices(
     num_devices: int,
     device_type: str | None = None,
     memory_limit_mb: int = 1024,
-) -> list[str]:
-    """Makes `num_devices` logical devices of `device_type` and returns their names.
+) -> None:
+    """Makes `num_devices` logical devices of `device_type`, without starting TensorFlow.
+
+    TensorFlow stays uninitialised, so a multi-worker strategy can still be
+    built afterwards; `logical_device_names()` lists the devices (and starts it).
 
     Args:
         num_devices: how many logical devices are wanted (>= 1).
         device_type: "CPU" or "GPU"; defaults to GPU when one is present.
         memory_limit_mb: memory of each logical GPU when one GPU is split
             (TensorFlow requires a limit for virtual GPUs; ignored for CPU).
-
-    Returns:
-        The logical device names, e.g. ["/job:localhost/replica:0/task:0/device:CPU:0", ...].
 
     Raises:
         DeviceConfigurationError: TensorFlow was already initialised with a
@@ -52,7 +52,7 @@ def configure_logical_devices(
             f"No physical {device_type} device is visible. Received: device_type={device_type!r}"
         )
     if device_type == "GPU" and len(physical) >= num_devices:
-        return [device.name for device in tf.config.list_logical_devices("GPU")][:num_devices]
+        return
 
     memory_limit = memory_limit_mb if device_type == "GPU" else None
     config = [
@@ -63,13 +63,12 @@ def configure_logical_devices(
     except RuntimeError as error:
         existing = tf.config.list_logical_devices(device_type)
         if len(existing) >= num_devices:
-            return [device.name for device in existing][:num_devices]
+            return
         raise DeviceConfigurationError(
             f"TensorFlow is already initialised with {len(existing)} logical {device_type} "
             f"device(s), so {num_devices} cannot be made now. Configure logical devices "
             "before creating any tensor, model or strategy."
         ) from error
-    return [device.name for device in tf.config.list_logical_devices(device_type)]
 
 
 def logical_device_names(device_type: str | None = None) -> list[str]:

@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from models import registry
+from tfmulti.cluster import ClusterInfo, build_multi_worker_strategy
 from tfmulti.config import TrainConfig
 from tfmulti.data import DataInfo
 from tfmulti.devices import logical_device_names
@@ -35,13 +36,16 @@ def compile_model(model: keras.Model, config: TrainConfig) -> None:
     )
 
 
-def make_strategy(config: TrainConfig) -> tf.distribute.Strategy:
-    """Returns the data-parallel strategy, or the default one for staged strategies."""
+def make_strategy(config: TrainConfig, cluster: ClusterInfo | None) -> tf.distribute.Strategy:
+    """Returns the strategy of `config`: multi-worker over `cluster`, data-parallel on
+    this host, or the default strategy for the staged (pipeline, model-parallel) ones."""
     if config.strategy in STAGED_STRATEGY_NAMES:
         return tf.distribute.get_strategy()
-    return get_strategy(
-        config.strategy, config.num_devices, config.all_reduce, **config.multi_worker
-    )
+    if cluster is not None:
+        return build_multi_worker_strategy(
+            cluster, config.communication, config.collective_timeout, config.connect_timeout
+        )
+    return get_strategy(config.strategy, config.num_devices, config.all_reduce)
 
 
 def build_compiled_model(

@@ -50,8 +50,10 @@ def get_strategy(
             to use; `None` means all of them ("one_device" always uses one).
         all_reduce: cross-device all-reduce for "mirrored": "auto", "nccl",
             "hierarchical_copy" or "reduce_to_one_device".
-        **multi_worker_options: passed to
-            `tfmulti.cluster.build_multi_worker_strategy` for "multi_worker".
+        **multi_worker_options: for "multi_worker": `worker_hosts` and `task_index`
+            (else TF_CONFIG or SLURM decide, see `tfmulti.cluster.resolve_cluster`),
+            and `communication`, `timeout_seconds`, `connect_timeout_seconds` for
+            `tfmulti.cluster.build_multi_worker_strategy`.
 
     Returns:
         A strategy whose `scope()` the model is built and compiled in.
@@ -65,9 +67,13 @@ def get_strategy(
     if name not in STRATEGY_NAMES:
         raise ValueError(f"strategy must be one of {STRATEGY_NAMES}. Received: strategy={name!r}")
     if name == "multi_worker":
-        from tfmulti.cluster import build_multi_worker_strategy
+        from tfmulti.cluster import build_multi_worker_strategy, resolve_cluster
 
-        return build_multi_worker_strategy(**multi_worker_options)
+        cluster = resolve_cluster(
+            multi_worker_options.pop("worker_hosts", None),
+            multi_worker_options.pop("task_index", None),
+        )
+        return build_multi_worker_strategy(cluster, **multi_worker_options)
 
     device_type = accelerator_type()
     devices = logical_device_names(device_type)

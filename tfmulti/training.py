@@ -12,23 +12,26 @@ from models import registry
 from tfmulti import data as data_lib
 from tfmulti.callbacks import StopOnNonFiniteLoss, ThroughputLogger
 from tfmulti.checkpointing import EpochCheckpoint, latest_checkpoint
+from tfmulti.cluster import ClusterInfo, resolve_cluster, worker_output_dir
 from tfmulti.config import TrainConfig
 from tfmulti.errors import TrainingError
+from tfmulti.input_sharding import check_file_sharding
 from tfmulti.model_setup import build_compiled_model, make_strategy
 from tfmulti.profiling import ProfileSteps
 from tfmulti.run_record import METRICS_FILE, RecordEpochs, RunRecord
 from tfmulti.strategy import per_replica_batch_size
 
 
-def check_model_dir(model_dir: str, resume: bool) -> int:
+def check_model_dir(model_dir: str, resume: bool, is_chief: bool = True) -> int:
     """Returns the epoch a resumed run restarts after (0 for a fresh run).
 
-    Refuses to reuse a directory that already holds a run unless `resume` is
-    set, so nothing written before is overwritten by accident.
+    The chief refuses to reuse a directory that already holds a run unless
+    `resume` is set, so nothing written before is overwritten by accident
+    (other workers may see the chief's new files, so they do not check).
     """
     backup_metadata = os.path.join(model_dir, "backup", "training_metadata.json")
     has_run = os.path.exists(os.path.join(model_dir, METRICS_FILE))
-    if has_run and not resume:
+    if has_run and not resume and is_chief:
         raise ValueError(
             f"--model_dir={model_dir} already holds a run. Pass --resume to continue it "
             "or choose a new --model_dir."
@@ -40,9 +43,17 @@ def check_model_dir(model_dir: str, resume: bool) -> int:
 
 
 def standard_callbacks(
-    config: TrainConfig, output_dir: str, record: RunRecord
+    config: TrainConfig,
+    output_dir: str,
+    record: RunRecord,
+    cluster: ClusterInfo | None = None,
 ) -> tuple[list[keras.callbacks.Callback], StopOnNonFiniteLoss]:
-    """Returns the callbacks every tfmulti run uses, and the NaN guard among them."""
+    """Returns the callbacks every tfmulti run uses, and the NaN guard among them.
+
+    tfmulti's own callbacks write to `output_dir` (a scratch directory on
+    non-chief workers); Keras's get the user's `model_dir`, and the multi-worker
+    compat fix sends non-chief workers' copies to scratch.
+    """
     logs_dir = os.path.join(output_dir, "logs")
     nan_guard = StopOnNonFiniteLoss()
     callbacks = [
@@ -51,19 +62,43 @@ def standard_callbacks(
             config.batch_size, log_steps=config.log_steps, log_dir=os.path.join(logs_dir, "train")
         ),
         keras.callbacks.BackupAndRestore(
-            os.path.join(output_dir, "backup"), delete_checkpoint=False, double_checkpoint=True
+            os.path.join(config.model_dir, "backup"),
+            delete_checkpoint=False,
+            double_checkpoint=True,
         ),
         EpochCheckpoint(os.path.join(output_dir, "checkpoints"), keep=config.keep_checkpoints),
         RecordEpochs(record),
-        keras.callbacks.TensorBoard(logs_dir, profile_batch=0),
+        keras.callbacks.TensorBoard(os.path.join(config.model_dir, "logs"), profile_batch=0),
     ]
     if config.trace_steps:
         from tfmulti.pipeline.runtime import PipelineTimelineCallback
 
         callbacks.append(PipelineTimelineCallback(logs_dir, steps=config.trace_steps))
     if config.profile_steps:
-        callbacks.append(ProfileSteps(os.path.join(logs_dir, "train"), config.profile_steps))
+        # Every worker traces into the chief's log directory, one host entry each.
+        host_name = f"worker{cluster.task_index}" if cluster else None
+        callbacks.append(
+            ProfileSteps(
+                os.path.join(config.model_dir, "logs", "train"), config.profile_steps, host_name
+            )
+        )
     return callbacks, nan_guard
+
+
+def _shard_policy(
+    config: TrainConfig, source: data_lib.ArrayData | data_lib.RecordData, cluster
+) -> str | None:
+    """The tf.data auto-shard policy for a multi-worker run (None on one host)."""
+    if cluster is None:
+        return None
+    if config.shard_policy == "file":
+        if not isinstance(source, data_lib.RecordData):
+            raise ValueError(
+                f"--shard_policy=file needs input files; --dataset={config.dataset} is held "
+                "in memory. Use --shard_policy=data or auto."
+            )
+        check_file_sharding(len(source.files), cluster.num_workers)
+    return config.shard_policy
 
 
 def _first_inputs(source: data_lib.ArrayData | data_lib.RecordData, batch_size: int):
@@ -82,11 +117,16 @@ def train(config: TrainConfig) -> dict:
     """
     keras.utils.set_random_seed(config.seed)
     keras.mixed_precision.set_dtype_policy(config.dtype)
-    strategy = make_strategy(config)
+    cluster = None
+    if config.strategy == "multi_worker":
+        cluster = resolve_cluster(config.worker_hosts, config.task_index)
+    strategy = make_strategy(config, cluster)
     replicas = strategy.num_replicas_in_sync
     per_replica = per_replica_batch_size(config.batch_size, replicas)
-    output_dir = config.model_dir
-    resume_epoch = check_model_dir(output_dir, config.resume)
+    output_dir = worker_output_dir(config.model_dir, cluster) if cluster else config.model_dir
+    resume_epoch = check_model_dir(
+        config.model_dir, config.resume, is_chief=cluster is None or cluster.is_chief
+    )
 
     registry.check_model_accepts(config.model, data_lib.dataset_task(config.dataset))
     source = data_lib.load_source(config.dataset, data_path=config.data_path, seed=config.seed)
@@ -98,6 +138,7 @@ def train(config: TrainConfig) -> dict:
         seed=config.seed,
         steps_per_epoch=steps_per_epoch,
         start_step=resume_epoch * steps_per_epoch,
+        shard_policy=_shard_policy(config, source, cluster),
     )
     model = build_compiled_model(
         config, data.info, strategy, _first_inputs(source, config.batch_size)
@@ -109,7 +150,7 @@ def train(config: TrainConfig) -> dict:
         "parameters": model.count_params(),
     }
     record = RunRecord(output_dir, run, resume_from_epoch=resume_epoch)
-    callbacks, nan_guard = standard_callbacks(config, output_dir, record)
+    callbacks, nan_guard = standard_callbacks(config, output_dir, record, cluster)
     logging.info(
         "Training %s on %s: %s over %d replica(s), global batch %d (%d per replica).",
         config.model,

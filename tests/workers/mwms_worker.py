@@ -20,8 +20,8 @@ import tensorflow as tf  # noqa: E402
 
 from tfmulti import cluster as cluster_lib  # noqa: E402
 from tfmulti import input_sharding  # noqa: E402
-from tfmulti.cluster_profiling import WorkerProfiler  # noqa: E402
 from tfmulti.compat import keras_multi_worker, worker_paths  # noqa: E402
+from tfmulti.profiling import ProfileSteps  # noqa: E402
 
 GLOBAL_BATCH = 16
 NUM_EXAMPLES = 64
@@ -64,7 +64,9 @@ def train(strategy, cluster, model_dir, epochs):
             os.path.join(model_dir, "backup"), delete_checkpoint=False
         ),
         keras.callbacks.TensorBoard(os.path.join(model_dir, "logs")),
-        WorkerProfiler(os.path.join(model_dir, "logs"), cluster.task_index, 1, 2),
+        ProfileSteps(
+            os.path.join(model_dir, "logs"), (2, 3), host_name=f"worker{cluster.task_index}"
+        ),
     ]
     history = model.fit(sharded_dataset(), epochs=epochs, verbose=0, callbacks=callbacks)
     evaluation = model.evaluate(sharded_dataset(), verbose=0)

@@ -165,9 +165,46 @@ def define_pipeline_flags() -> None:
     )
 
 
+def define_cluster_flags() -> None:
+    """Flags of --strategy=multi_worker (else TF_CONFIG or SLURM describe the cluster)."""
+    flags.DEFINE_list(
+        "worker_hosts", None, "Every worker's host:port, in rank order (else TF_CONFIG, SLURM)."
+    )
+    flags.DEFINE_integer(
+        "task_index", None, "This worker's rank in --worker_hosts; 0 is the chief.", lower_bound=0
+    )
+    flags.register_multi_flags_validator(
+        ["worker_hosts", "task_index"],
+        lambda values: (values["worker_hosts"] is None) == (values["task_index"] is None),
+        message="--worker_hosts and --task_index go together: give both or neither",
+    )
+    flags.DEFINE_enum(
+        "communication", "auto", ("auto", "ring", "nccl"), "Collective implementation."
+    )
+    flags.DEFINE_float(
+        "collective_timeout",
+        None,
+        "Seconds before a stuck collective fails instead of hanging.",
+        lower_bound=0.001,
+    )
+    flags.DEFINE_float(
+        "connect_timeout",
+        None,
+        "Seconds to wait for every worker to join before giving up with a message.",
+        lower_bound=0.001,
+    )
+    flags.DEFINE_enum(
+        "shard_policy",
+        "auto",
+        ("auto", "file", "data", "off"),
+        "How workers split the input: by file, by batch (data), auto (file, else data), off.",
+    )
+
+
 def define_train_flags() -> None:
     """Defines every flag of `scripts/train.py`."""
     define_device_flags()
+    define_cluster_flags()
     define_pipeline_flags()
     define_data_flags()
     define_loop_flags()
@@ -201,6 +238,12 @@ def config_from_flags() -> TrainConfig:
         log_steps=FLAGS.log_steps,
         resume=FLAGS.resume,
         keep_checkpoints=FLAGS.keep_checkpoints,
+        worker_hosts=FLAGS.worker_hosts,
+        task_index=FLAGS.task_index,
+        communication=FLAGS.communication,
+        collective_timeout=FLAGS.collective_timeout,
+        connect_timeout=FLAGS.connect_timeout,
+        shard_policy=FLAGS.shard_policy,
         num_stages=FLAGS.num_stages,
         microbatches=FLAGS.microbatches,
         schedule=FLAGS.schedule,
