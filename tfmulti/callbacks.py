@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import time
 
 import keras
@@ -29,8 +30,12 @@ class ThroughputLogger(keras.callbacks.Callback):
         >>> model.fit(ds, callbacks=[ThroughputLogger(256, log_steps=50, log_dir="logs/train")])
     """
 
+    # Keras may run batch hooks on a worker thread, so the step loop need not wait for them.
+    async_safe = True
+
     def __init__(self, global_batch_size: int, log_steps: int = 100, log_dir: str | None = None):
         super().__init__()
+        self._lock = threading.Lock()
         self.global_batch_size = global_batch_size
         self.log_steps = log_steps
         self._writer = tf.summary.create_file_writer(log_dir) if log_dir else None
@@ -43,12 +48,13 @@ class ThroughputLogger(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         # With steps_per_execution > 1 Keras calls this once per execution, with
         # the index of the last step run, so count steps from the index.
-        self._global_step = self._epoch_first_step + batch + 1
-        steps = self._global_step - self._window_first_step
-        if self.log_steps and steps >= self.log_steps:
-            now = time.perf_counter()
-            self._report("step", self._global_step, steps, now - self._window_start)
-            self._window_start, self._window_first_step = now, self._global_step
+        with self._lock:
+            self._global_step = max(self._global_step, self._epoch_first_step + batch + 1)
+            steps = self._global_step - self._window_first_step
+            if self.log_steps and steps >= self.log_steps:
+                now = time.perf_counter()
+                self._report("step", self._global_step, steps, now - self._window_start)
+                self._window_start, self._window_first_step = now, self._global_step
 
     def on_epoch_end(self, epoch, logs=None):
         seconds = time.perf_counter() - self._epoch_start
@@ -85,6 +91,8 @@ class StopOnNonFiniteLoss(keras.callbacks.Callback):
     Unlike `keras.callbacks.TerminateOnNaN`, the place is kept in `self.failure`
     (a message, or None) so the caller can report it and exit non-zero.
     """
+
+    async_safe = True
 
     def __init__(self):
         super().__init__()

@@ -42,6 +42,17 @@ def check_model_dir(model_dir: str, resume: bool, is_chief: bool = True) -> int:
     return 0
 
 
+def _batch_hooks_idle(callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
+    """Lets Keras run `callback`'s batch hooks off the step loop.
+
+    Keras waits for each step's results whenever a callback without
+    `async_safe` has a batch-end hook. BackupAndRestore saving per epoch and
+    TensorBoard writing per epoch do nothing in theirs, so the wait is pure loss.
+    """
+    callback.async_safe = True
+    return callback
+
+
 def standard_callbacks(
     config: TrainConfig,
     output_dir: str,
@@ -61,14 +72,18 @@ def standard_callbacks(
         ThroughputLogger(
             config.batch_size, log_steps=config.log_steps, log_dir=os.path.join(logs_dir, "train")
         ),
-        keras.callbacks.BackupAndRestore(
-            os.path.join(config.model_dir, "backup"),
-            delete_checkpoint=False,
-            double_checkpoint=True,
+        _batch_hooks_idle(
+            keras.callbacks.BackupAndRestore(
+                os.path.join(config.model_dir, "backup"),
+                delete_checkpoint=False,
+                double_checkpoint=True,
+            )
         ),
         EpochCheckpoint(os.path.join(output_dir, "checkpoints"), keep=config.keep_checkpoints),
         RecordEpochs(record),
-        keras.callbacks.TensorBoard(os.path.join(config.model_dir, "logs"), profile_batch=0),
+        _batch_hooks_idle(
+            keras.callbacks.TensorBoard(os.path.join(config.model_dir, "logs"), profile_batch=0)
+        ),
     ]
     if config.trace_steps:
         from tfmulti.pipeline.runtime import PipelineTimelineCallback
