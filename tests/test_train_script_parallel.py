@@ -1,0 +1,196 @@
+"""`scripts/train.py` under every parallel strategy trains like one device.
+
+Each run goes through the real script (and `scripts/launch.py` for multi-worker)
+and is compared with a `--strategy=one_device` run of the same flags: same
+weights imply the same validation loss, which `metrics.json` records.
+"""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from script_runner import REPO_ROOT, run_script
+
+COMMON = (
+    "--model=mlp",
+    "--dataset=digits",
+    "--batch_size=32",
+    "--steps_per_epoch=5",
+    "--validation_steps=4",
+    "--optimizer=sgd",
+    "--learning_rate=0.1",
+    "--log_steps=0",
+)
+TWO_EPOCHS = (*COMMON, "--epochs=2")
+
+
+def _metrics(model_dir):
+    with open(os.path.join(model_dir, "metrics.json")) as handle:
+        return json.load(handle)
+
+
+def _assert_same_training(metrics, reference):
+    assert metrics["status"] == "completed"
+    assert [e["epoch"] for e in metrics["epochs"]] == [e["epoch"] for e in reference["epochs"]]
+    for epoch, expected in zip(metrics["epochs"], reference["epochs"], strict=True):
+        assert epoch["loss"] == pytest.approx(expected["loss"], rel=1e-4)
+    assert metrics["final"]["loss"] == pytest.approx(reference["final"]["loss"], rel=1e-4)
+    assert metrics["final"]["accuracy"] == pytest.approx(reference["final"]["accuracy"], abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def one_device_metrics(tmp_path_factory):
+    model_dir = str(tmp_path_factory.mktemp("one_device"))
+    result = run_script(
+        "train.py", *TWO_EPOCHS, "--strategy=one_device", f"--model_dir={model_dir}"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return _metrics(model_dir)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+def test_pipeline_script_trains_like_one_device(tmp_path, one_device_metrics, schedule):
+    model_dir = str(tmp_path / "run")
+    result = run_script(
+        "train.py",
+        *TWO_EPOCHS,
+        "--strategy=pipeline",
+        "--virtual_devices=4",
+        "--num_stages=2",
+        "--microbatches=4",
+        f"--schedule={schedule}",
+        "--partition=params",
+        "--trace_steps=3,3",
+        f"--model_dir={model_dir}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    _assert_same_training(_metrics(model_dir), one_device_metrics)
+    timeline = f"{model_dir}/logs/pipeline_timeline"
+    assert os.path.getsize(f"{timeline}/step3.png") > 0
+    with open(f"{timeline}/step3.trace.json") as handle:
+        assert json.load(handle)["traceEvents"]
+
+
+def test_model_parallel_script_trains_like_one_device(tmp_path, one_device_metrics):
+    model_dir = str(tmp_path / "run")
+    result = run_script(
+        "train.py",
+        *TWO_EPOCHS,
+        "--strategy=model_parallel",
+        "--virtual_devices=2",
+        "--num_stages=2",
+        f"--model_dir={model_dir}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    _assert_same_training(_metrics(model_dir), one_device_metrics)
+
+
+def test_batch_not_divisible_by_microbatches_is_one_line(tmp_path):
+    result = run_script(
+        "train.py",
+        *TWO_EPOCHS,
+        "--strategy=pipeline",
+        "--virtual_devices=2",
+        "--microbatches=5",
+        f"--model_dir={tmp_path}",
+    )
+    assert result.returncode != 0
+    assert "--microbatches" in result.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in result.stderr
+
+
+def _launch(*args: str, **popen_options):
+    command = [sys.executable, os.path.join(REPO_ROOT, "scripts", "launch.py"), *args]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return subprocess.Popen(command, cwd=REPO_ROOT, env=env, text=True, **popen_options)
+
+
+def test_multi_worker_script_trains_like_one_device_with_chief_only_outputs(
+    tmp_path, one_device_metrics
+):
+    model_dir = str(tmp_path / "run")
+    launcher = _launch(
+        "--num_workers=2",
+        "--devices_per_worker=2",
+        "--",
+        sys.executable,
+        "scripts/train.py",
+        *TWO_EPOCHS,
+        "--strategy=multi_worker",
+        "--profile_steps=2,3",
+        f"--model_dir={model_dir}",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    output, _ = launcher.communicate(timeout=240)
+    assert launcher.returncode == 0, output[-3000:]
+    metrics = _metrics(model_dir)
+    assert metrics["run"]["num_replicas"] == 4
+    _assert_same_training(metrics, one_device_metrics)
+    top_level = sorted(os.listdir(model_dir))
+    assert top_level == ["backup", "checkpoints", "logs", "metrics.json"]
+    assert not glob.glob(f"{model_dir}/**/*worker1*/**", recursive=True)
+    traces = sorted(glob.glob(f"{model_dir}/logs/train/plugins/profile/*/*.xplane.pb"))
+    assert [os.path.basename(t) for t in traces] == ["worker0.xplane.pb", "worker1.xplane.pb"]
+
+
+def _worker_pid(model_dir: str, rank: int) -> int | None:
+    """The pid of the training process of `rank` whose command line names `model_dir`."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                command = handle.read().decode(errors="replace")
+            with open(f"/proc/{pid}/environ", "rb") as handle:
+                environ = handle.read().decode(errors="replace")
+        except OSError:
+            continue
+        if f"--model_dir={model_dir}" in command and "train.py" in command:
+            if f'"index": {rank}' in environ:
+                return int(pid)
+    return None
+
+
+def test_sigkilled_worker_restarts_the_group_which_resumes_and_records_each_epoch_once(
+    tmp_path,
+):
+    model_dir = str(tmp_path / "run")
+    launcher = _launch(
+        "--num_workers=2",
+        "--max_restarts=1",
+        "--",
+        sys.executable,
+        "scripts/train.py",
+        *COMMON,
+        "--epochs=4",
+        "--steps_per_epoch=40",
+        "--strategy=multi_worker",
+        "--resume",
+        f"--model_dir={model_dir}",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 180
+    killed = None
+    while killed is None and time.monotonic() < deadline and launcher.poll() is None:
+        metrics_path = os.path.join(model_dir, "metrics.json")
+        if os.path.exists(metrics_path) and _metrics(model_dir)["epochs"]:
+            pid = _worker_pid(model_dir, rank=1)
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                killed = pid
+        time.sleep(0.05)
+    output, _ = launcher.communicate(timeout=240)
+    assert killed is not None, output[-3000:]
+    assert launcher.returncode == 0, output[-3000:]
+    assert "worker 1" in output and "SIGKILL" in output
+    assert "restarting all workers" in output
+    after_restart = output.split("restarting all workers", 1)[1]
+    assert "Epoch 1/4" not in after_restart
+    metrics = _metrics(model_dir)
+    assert metrics["status"] == "completed"
+    assert [epoch["epoch"] for epoch in metrics["epochs"]] == [1, 2, 3, 4]
