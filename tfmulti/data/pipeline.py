@@ -11,6 +11,7 @@ import tensorflow as tf
 from tfmulti.data.info import ArrayData, DataInfo
 from tfmulti.data.sources import load_source
 from tfmulti.data.tfrecord import RecordData
+from tfmulti.input_sharding import apply_shard_policy
 
 # Records are streamed, so their shuffle holds at most this many at a time.
 _RECORD_SHUFFLE_BUFFER = 10_000
@@ -50,7 +51,7 @@ def make_datasets(
     vocab_size: int | None = None,
     steps_per_epoch: int | None = None,
     start_step: int = 0,
-    shard_policy: str | tf.data.experimental.AutoShardPolicy | None = None,
+    shard_policy: str | None = None,
 ) -> TrainingData:
     """Loads a named dataset and batches it with the global batch size.
 
@@ -62,8 +63,8 @@ def make_datasets(
             dataset options, see `load_source`.
         steps_per_epoch: steps per epoch; None means one pass over the training split.
         start_step: steps already trained; the stream starts where they left off.
-        shard_policy: tf.data auto-shard policy for multi-worker strategies, an
-            AutoShardPolicy or its name ("auto", "file", "data", "off").
+        shard_policy: tf.data auto-shard policy for multi-worker strategies:
+            "auto", "file", "data" or "off" (see `tfmulti.input_sharding`).
 
     Example:
         >>> data = make_datasets("digits", global_batch_size=64, seed=1)
@@ -97,7 +98,7 @@ def make_datasets_from_source(
     seed: int = 0,
     steps_per_epoch: int | None = None,
     start_step: int = 0,
-    shard_policy: str | tf.data.experimental.AutoShardPolicy | None = None,
+    shard_policy: str | None = None,
 ) -> TrainingData:
     """Batches loaded data (see `make_datasets`); use it to feed arrays you hold.
 
@@ -131,10 +132,13 @@ def make_datasets_from_source(
         )
         validation = source.validation
     validation = validation.batch(global_batch_size, drop_remainder=True)
-    options = _dataset_options(shard_policy)
+    train, validation = train.prefetch(tf.data.AUTOTUNE), validation.prefetch(tf.data.AUTOTUNE)
+    if shard_policy is not None:
+        train = apply_shard_policy(train, shard_policy)
+        validation = apply_shard_policy(validation, shard_policy)
     return TrainingData(
-        train=train.prefetch(tf.data.AUTOTUNE).with_options(options),
-        validation=validation.prefetch(tf.data.AUTOTUNE).with_options(options),
+        train=train,
+        validation=validation,
         info=info,
         steps_per_epoch=steps_per_epoch or info.num_train_examples // global_batch_size,
         validation_steps=info.num_validation_examples // global_batch_size,
@@ -189,19 +193,3 @@ def _check_batch_size(global_batch_size: int, info: DataInfo) -> None:
             f"examples); use a batch of at most {smallest} or more data. "
             f"Received: global_batch_size={global_batch_size}"
         )
-
-
-def _dataset_options(shard_policy) -> tf.data.Options:
-    options = tf.data.Options()
-    if shard_policy is None:
-        return options
-    if isinstance(shard_policy, str):
-        policy = getattr(tf.data.experimental.AutoShardPolicy, shard_policy.upper(), None)
-        if policy is None:
-            raise ValueError(
-                "shard_policy must be one of 'auto', 'file', 'data', 'off'. "
-                f"Received: shard_policy={shard_policy!r}"
-            )
-        shard_policy = policy
-    options.experimental_distribute.auto_shard_policy = shard_policy
-    return options
