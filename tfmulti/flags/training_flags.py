@@ -8,11 +8,11 @@ import os
 from absl import flags
 
 from tfmulti.config import DTYPE_POLICIES, OPTIMIZER_NAMES, TrainConfig
+from tfmulti.launcher import VIRTUAL_DEVICES_ENV
 from tfmulti.names import ALL_REDUCE_NAMES, DATASET_NAMES, MODEL_NAMES, TRAIN_STRATEGY_NAMES
 from tfmulti.pipeline.schedules import SCHEDULE_NAMES
 
 FLAGS = flags.FLAGS
-VIRTUAL_DEVICES_ENV = "TFMULTI_VIRTUAL_DEVICES"
 
 
 def _parses_as_step_range(text: str | None) -> bool:

@@ -21,31 +21,13 @@ from tfmulti.pipeline.simulate import CostModel, SimulationResult, StageCost, si
 from tfmulti.pipeline.text import schedule_from_text, schedule_grid, schedule_to_text
 from tfmulti.pipeline.validate import ScheduleError, validate_schedule
 
-# The executor imports TensorFlow, so its names load on first use.
-_RUNTIME_EXPORTS = (
-    "BlockStage",
-    "MODEL_PARALLEL",
-    "PipelineModel",
-    "PipelineTimelineCallback",
-    "bubble_fraction",
-    "measure_blocks",
-    "model_parallel_schedule",
-    "order_deviations",
-    "partition_blocks",
-    "peak_stashed_activations",
-    "stages_from_blocks",
-    "write_timeline_report",
-)
-
 
 def __getattr__(name):
-    if name not in _RUNTIME_EXPORTS:
+    # The executor's names (PipelineModel, ...) import TensorFlow, so they load on first use.
+    runtime = importlib.import_module("tfmulti.pipeline.runtime")
+    if name not in runtime.__all__:
         raise AttributeError(f"module 'tfmulti.pipeline' has no attribute {name!r}")
-    return getattr(importlib.import_module("tfmulti.pipeline.runtime"), name)
-
-
-def __dir__():
-    return sorted(list(globals()) + list(_RUNTIME_EXPORTS))
+    return getattr(runtime, name)
 
 
 __all__ = [
