@@ -71,8 +71,13 @@ def _build_model(strategy):
 def _training_stream(source):
     from tfmulti import data as data_lib
 
+    # Each round reads the same finite stream, so its input threads end with the round.
     return data_lib.make_datasets_from_source(
-        source, FLAGS.batch_size, seed=0, steps_per_epoch=FLAGS.steps
+        source,
+        FLAGS.batch_size,
+        seed=0,
+        steps_per_epoch=FLAGS.steps,
+        total_steps=FLAGS.steps * FLAGS.epochs_per_round,
     ).train
 
 

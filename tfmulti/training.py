@@ -153,6 +153,7 @@ def train(config: TrainConfig) -> dict:
         seed=config.seed,
         steps_per_epoch=steps_per_epoch,
         start_step=resume_epoch * steps_per_epoch,
+        total_steps=steps_per_epoch * (config.epochs - resume_epoch),
         shard_policy=_shard_policy(config, source, cluster),
     )
     model = build_compiled_model(

@@ -99,8 +99,13 @@ def make_datasets_from_source(
     steps_per_epoch: int | None = None,
     start_step: int = 0,
     shard_policy: str | None = None,
+    total_steps: int | None = None,
 ) -> TrainingData:
     """Batches loaded data (see `make_datasets`); use it to feed arrays you hold.
+
+    `total_steps` ends the training stream after that many batches (None: endless).
+    A stream that ends lets tf.data's threads finish when `fit` returns; destroying
+    an endless distributed stream's iterator has been seen to hang.
 
     Example:
         >>> arrays = load_source("digits")
@@ -131,6 +136,8 @@ def make_datasets_from_source(
             .skip(start_step)
         )
         validation = source.validation
+    if total_steps is not None:
+        train = train.take(total_steps)
     validation = validation.batch(global_batch_size, drop_remainder=True)
     train, validation = train.prefetch(tf.data.AUTOTUNE), validation.prefetch(tf.data.AUTOTUNE)
     if shard_policy is not None:
