@@ -1,0 +1,33 @@
+"""Choosing a parallel layout: meshes, schedules, micro-batches and stage splits, by simulation.
+
+Pure Python; `tfmulti.planner.measure` (TensorFlow) measures a model's block costs.
+"""
+
+from tfmulti.planner.costs import (
+    AffineTime,
+    BlockCost,
+    Hardware,
+    ModelCosts,
+    blocks_at,
+    load_costs,
+    ring_allreduce_seconds,
+    save_costs,
+)
+from tfmulti.planner.scoring import Layout, Mesh, score_layout
+from tfmulti.planner.search import meshes, search_layouts
+
+__all__ = [
+    "AffineTime",
+    "BlockCost",
+    "Hardware",
+    "Layout",
+    "Mesh",
+    "ModelCosts",
+    "blocks_at",
+    "load_costs",
+    "meshes",
+    "ring_allreduce_seconds",
+    "save_costs",
+    "score_layout",
+    "search_layouts",
+]

@@ -1,0 +1,218 @@
+"""A model's measured block costs, how they scale with batch and tensor splits, and their file.
+
+Pure Python. Times are affine in the micro-batch size (a fixed part, kernel launches and
+per-op overhead, plus a part per example), fitted from measurements at two batch sizes.
+Activation bytes are per example.
+
+Tensor parallelism is modelled analytically (Megatron-style): a block split over K devices
+runs its per-example compute in 1/K of the time but keeps its fixed part, holds 1/K of
+its parameters, and in each of forward and backward all-reduces its output activations
+`tensor_allreduces` times within the tensor group (a ring: 2(K-1)/K x bytes / bandwidth).
+
+The cost file is JSON:
+
+    {"format": "tfmulti.planner.costs/1", "model": "transformer",
+     "model_options": {"num_layers": 2}, "dataset": "tokens", "tensor_parallel_sizes": [1, 2],
+     "measured_batch_sizes": [8, 64],
+     "blocks": [{"name": "embedding", "params": 6144,
+                 "forward_seconds": {"fixed": 2e-4, "per_example": 1e-6},
+                 "backward_seconds": {"fixed": 4e-4, "per_example": 2e-6},
+                 "activation_bytes_per_example": 8192, "tensor_allreduces": 0}, ...]}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+
+from tfmulti.pipeline.balance import Block
+
+COST_FILE_FORMAT = "tfmulti.planner.costs/1"
+GRADIENT_BYTES_PER_PARAM = 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class AffineTime:
+    """Seconds for a batch of b examples: fixed + per_example x b."""
+
+    fixed: float
+    per_example: float
+
+    def __post_init__(self):
+        if self.fixed < 0 or self.per_example < 0:
+            raise ValueError(f"Times must be >= 0. Received: {self}")
+
+    @classmethod
+    def fit(cls, batch_sizes: Sequence[int], seconds: Sequence[float]) -> AffineTime:
+        """The line through the first and last of (batch size, seconds), clipped at zero.
+
+        Example:
+            >>> AffineTime.fit([8, 64], [0.002, 0.009])
+            AffineTime(fixed=0.001, per_example=0.000125)
+        """
+        if len(batch_sizes) != len(seconds) or not batch_sizes:
+            raise ValueError(
+                "Need one time per batch size. "
+                f"Received: batch_sizes={list(batch_sizes)}, seconds={list(seconds)}"
+            )
+        if len(batch_sizes) == 1 or batch_sizes[-1] == batch_sizes[0]:
+            return cls(0.0, seconds[-1] / batch_sizes[-1])
+        slope = (seconds[-1] - seconds[0]) / (batch_sizes[-1] - batch_sizes[0])
+        slope = max(slope, 0.0)
+        return cls(round(max(seconds[0] - slope * batch_sizes[0], 0.0), 12), round(slope, 12))
+
+    def at(self, batch_size: float, tensor_parallel: int = 1) -> float:
+        """Seconds for `batch_size` examples, the per-example part split `tensor_parallel` ways."""
+        return self.fixed + self.per_example * batch_size / tensor_parallel
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCost:
+    """What one model block costs, as a function of batch size.
+
+    Args:
+        name: the block's name.
+        params: parameter count.
+        forward_seconds: forward time.
+        backward_seconds: backward time (input and weight gradients).
+        activation_bytes_per_example: bytes kept from forward to backward, per example.
+        tensor_allreduces: all-reduces of the block's output per pass when split over a
+            tensor group (2 for a Transformer block: after attention and after the MLP);
+            0 if the block cannot be split.
+    """
+
+    name: str
+    params: int
+    forward_seconds: AffineTime
+    backward_seconds: AffineTime
+    activation_bytes_per_example: float
+    tensor_allreduces: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCosts:
+    """Costs of every block of a model, and what they were measured on.
+
+    Args:
+        model: the reference model's name (`scripts/train.py --model`).
+        model_options: its options (`--model_option`).
+        dataset: the dataset measured on (`--dataset`).
+        data_path: its file(s), for "npz" and "tfrecord" (`--data_path`).
+        blocks: one `BlockCost` per block, in order.
+        tensor_parallel_sizes: tensor-group sizes the model can be built with (1: none).
+        measured_batch_sizes: batch sizes the times were fitted from.
+    """
+
+    model: str
+    model_options: dict
+    dataset: str
+    data_path: str | None
+    blocks: tuple[BlockCost, ...]
+    tensor_parallel_sizes: tuple[int, ...] = (1,)
+    measured_batch_sizes: tuple[int, ...] = ()
+
+    def to_json(self) -> dict:
+        """The cost file's JSON object."""
+        return {"format": COST_FILE_FORMAT, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> ModelCosts:
+        """Reads the cost file's JSON object; errors name the missing or bad field."""
+        if data.get("format") != COST_FILE_FORMAT:
+            raise ValueError(
+                f"A cost file starts with format {COST_FILE_FORMAT!r}. "
+                f"Received: format={data.get('format')!r}"
+            )
+        try:
+            blocks = tuple(
+                BlockCost(
+                    name=block["name"],
+                    params=int(block["params"]),
+                    forward_seconds=AffineTime(**block["forward_seconds"]),
+                    backward_seconds=AffineTime(**block["backward_seconds"]),
+                    activation_bytes_per_example=float(block["activation_bytes_per_example"]),
+                    tensor_allreduces=int(block.get("tensor_allreduces", 0)),
+                )
+                for block in data["blocks"]
+            )
+            return cls(
+                model=data["model"],
+                model_options=dict(data.get("model_options", {})),
+                dataset=data["dataset"],
+                data_path=data.get("data_path"),
+                blocks=blocks,
+                tensor_parallel_sizes=tuple(data.get("tensor_parallel_sizes", (1,))),
+                measured_batch_sizes=tuple(data.get("measured_batch_sizes", ())),
+            )
+        except (KeyError, TypeError) as error:
+            raise ValueError(
+                f"Cost file field missing or malformed: {error}. See tfmulti.planner.costs "
+                "for the format."
+            ) from None
+
+
+def save_costs(costs: ModelCosts, path: str) -> None:
+    """Writes `costs` as a JSON cost file."""
+    with open(path, "w") as file:
+        json.dump(costs.to_json(), file, indent=1)
+
+
+def load_costs(path: str) -> ModelCosts:
+    """Reads a JSON cost file written by `save_costs` (or by hand)."""
+    with open(path) as file:
+        return ModelCosts.from_json(json.load(file))
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """Assumptions about the devices.
+
+    Args:
+        bandwidth: bytes per second between any two devices (all-reduce, stage transfers).
+        bytes_per_param: parameter-state bytes per parameter on its device: weight,
+            gradient and optimizer slots (16 for float32 Adam: weight, gradient, m, v).
+        memory_per_device: bytes a device may hold, or None for no limit.
+    """
+
+    bandwidth: float = 10e9
+    bytes_per_param: float = 16.0
+    memory_per_device: float | None = None
+
+    def __post_init__(self):
+        if self.bandwidth <= 0:
+            raise ValueError(f"bandwidth must be > 0 bytes/s. Received: {self.bandwidth}")
+
+
+def ring_allreduce_seconds(num_bytes: float, group_size: int, bandwidth: float) -> float:
+    """Time of a ring all-reduce of `num_bytes` over `group_size` devices: 2(n-1)/n x bytes / bw."""
+    if group_size <= 1:
+        return 0.0
+    return 2 * (group_size - 1) / group_size * num_bytes / bandwidth
+
+
+def blocks_at(
+    costs: ModelCosts, microbatch_size: float, tensor_parallel: int, hardware: Hardware
+) -> list[Block]:
+    """Each block's costs for one micro-batch on one device of a tensor group, as `Block`s.
+
+    Blocks that cannot be split run whole on every device of the group.
+    """
+    blocks = []
+    for block in costs.blocks:
+        activation_bytes = block.activation_bytes_per_example * microbatch_size
+        split = tensor_parallel if block.tensor_allreduces else 1
+        communication = block.tensor_allreduces * ring_allreduce_seconds(
+            activation_bytes, split, hardware.bandwidth
+        )
+        blocks.append(
+            Block(
+                forward_time=block.forward_seconds.at(microbatch_size, split) + communication,
+                backward_time=block.backward_seconds.at(microbatch_size, split) + communication,
+                params=block.params // split,
+                activation_bytes=activation_bytes,
+                param_bytes=block.params / split * hardware.bytes_per_param,
+                name=block.name,
+            )
+        )
+    return blocks

@@ -1,0 +1,154 @@
+"""The predicted step time and memory of one layout, by simulating its pipeline.
+
+Pure Python. A layout runs the per-replica batch through a pipeline of `pipe` devices (one
+device when pipe = 1), each device possibly one of a tensor group, and `data` replicas of
+that. Its step time is the simulated pipeline makespan plus the data-parallel all-reduce
+of each device's gradients (all devices reduce at once, each over its own link). Peak
+memory per device is the parameter state of its stages plus its peak live activation
+bytes from the simulator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from tfmulti.pipeline.balance import Block
+from tfmulti.pipeline.schedules import build_schedule
+from tfmulti.pipeline.simulate import CostModel, StageCost, simulate
+from tfmulti.planner.costs import GRADIENT_BYTES_PER_PARAM, Hardware, ring_allreduce_seconds
+
+# The schedule a one-device "pipeline" runs: one forward, one backward.
+NO_PIPELINE = "gpipe"
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Mesh:
+    """How devices are arranged: data replicas x pipeline stages x tensor-group size."""
+
+    data: int = 1
+    pipe: int = 1
+    tensor: int = 1
+
+    @property
+    def num_devices(self) -> int:
+        return self.data * self.pipe * self.tensor
+
+    def __str__(self) -> str:
+        return f"data={self.data},pipe={self.pipe},tensor={self.tensor}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way to train a model on a mesh, and what the simulator predicts for it.
+
+    Args:
+        mesh: the device arrangement.
+        schedule: pipeline schedule name, or None when mesh.pipe == 1.
+        num_microbatches: micro-batches per replica per step (m).
+        chunks: model chunks per pipeline device (v).
+        boundaries: first block of each stage after the first (pipe x chunks stages).
+        step_time: predicted seconds per training step.
+        pipeline_time: the simulated makespan of the per-replica batch.
+        allreduce_time: the data-parallel gradient all-reduce.
+        bubble_fraction: idle share of the pipeline devices' time.
+        peak_memory: bytes on the fullest device.
+    """
+
+    mesh: Mesh
+    schedule: str | None
+    num_microbatches: int
+    chunks: int
+    boundaries: tuple[int, ...]
+    step_time: float
+    pipeline_time: float
+    allreduce_time: float
+    bubble_fraction: float
+    peak_memory: float
+
+    @property
+    def key(self) -> tuple:
+        """What identifies the layout apart from its predictions."""
+        return (self.mesh, self.schedule, self.num_microbatches, self.chunks, self.boundaries)
+
+
+def score_layout(
+    blocks: Sequence[Block],
+    mesh: Mesh,
+    schedule: str | None,
+    num_microbatches: int,
+    chunks: int,
+    boundaries: Sequence[int],
+    hardware: Hardware,
+) -> Layout:
+    """Simulates one layout.
+
+    Args:
+        blocks: per-block costs of one micro-batch on one device of a tensor group
+            (see `tfmulti.planner.costs.blocks_at`).
+        mesh: the device arrangement.
+        schedule: a name in `SCHEDULE_NAMES`, or None when mesh.pipe == 1.
+        num_microbatches: micro-batches per replica per step.
+        chunks: model chunks per pipeline device (> 1 only for "interleaved_1f1b").
+        boundaries: pipe x chunks - 1 strictly increasing split points.
+        hardware: bandwidth and bytes per parameter.
+
+    Returns:
+        The scored `Layout`.
+
+    Example:
+        >>> blocks = [Block(1, 2, params=10), Block(1, 2, params=10)]
+        >>> score_layout(blocks, Mesh(pipe=2), "1f1b", 4, 1, (1,), Hardware()).pipeline_time
+        15.0
+    """
+    num_stages = mesh.pipe * chunks
+    if len(boundaries) != num_stages - 1:
+        raise ValueError(
+            f"A layout with pipe={mesh.pipe} and chunks={chunks} needs {num_stages - 1} split "
+            f"points. Received: boundaries={tuple(boundaries)}"
+        )
+    plan = build_schedule(
+        schedule or NO_PIPELINE, mesh.pipe, num_microbatches, chunks if chunks > 1 else None
+    )
+    edges = (0, *boundaries, len(blocks))
+    stage_blocks = [blocks[start:end] for start, end in zip(edges[:-1], edges[1:], strict=True)]
+    if any(not stage for stage in stage_blocks):
+        raise ValueError(
+            f"Split points must increase strictly within 1..{len(blocks) - 1}. "
+            f"Received: boundaries={tuple(boundaries)}"
+        )
+    stage_costs = tuple(
+        StageCost(
+            forward=sum(block.forward_time for block in stage),
+            backward=sum(block.backward_time for block in stage),
+            activation_bytes=sum(block.activation_bytes for block in stage),
+        )
+        for stage in stage_blocks
+    )
+    sent_bytes = max((stage[-1].activation_bytes for stage in stage_blocks[:-1]), default=0.0)
+    result = simulate(plan, CostModel(stage_costs, sent_bytes / hardware.bandwidth))
+
+    device_params = [0.0] * mesh.pipe
+    for stage, device in zip(stage_blocks, plan.stage_devices, strict=True):
+        device_params[device] += sum(block.params for block in stage)
+    allreduce_time = ring_allreduce_seconds(
+        max(device_params) * GRADIENT_BYTES_PER_PARAM, mesh.data, hardware.bandwidth
+    )
+    device_memory = [0.0] * mesh.pipe
+    for stage, device in zip(stage_blocks, plan.stage_devices, strict=True):
+        device_memory[device] += sum(block.param_bytes for block in stage)
+    peak_memory = max(
+        held + live for held, live in zip(device_memory, result.peak_activation_bytes, strict=True)
+    )
+    return Layout(
+        mesh=mesh,
+        schedule=schedule if mesh.pipe > 1 else None,
+        num_microbatches=num_microbatches,
+        chunks=chunks,
+        boundaries=tuple(boundaries),
+        step_time=result.makespan + allreduce_time,
+        pipeline_time=result.makespan,
+        allreduce_time=allreduce_time,
+        bubble_fraction=result.bubble_fraction,
+        peak_memory=peak_memory,
+    )

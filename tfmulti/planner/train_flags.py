@@ -1,0 +1,70 @@
+"""The `scripts/train.py` flags that run a layout.
+
+Pure Python. One device: `--strategy=one_device`; data only: `--strategy=mirrored`;
+pipeline only: `--strategy=pipeline`; tensor only: `--strategy=model_parallel
+--tensor_parallel=K`; two or more kinds at once: `--strategy=hybrid --mesh=...`.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from tfmulti.planner.costs import ModelCosts
+from tfmulti.planner.scoring import Layout
+
+
+def train_flags(layout: Layout, costs: ModelCosts, global_batch: int) -> list[str]:
+    """The flags of `scripts/train.py` that train `costs.model` laid out as `layout`.
+
+    Args:
+        layout: a layout from `search_layouts`.
+        costs: the model's costs (names the model, its options and the dataset).
+        global_batch: examples per step over all replicas.
+
+    Example:
+        >>> train_flags(layout, costs, 64)[:3]
+        ['--strategy=pipeline', '--virtual_devices=2', '--num_stages=2']
+    """
+    mesh = layout.mesh
+    kinds = sum(size > 1 for size in (mesh.data, mesh.pipe, mesh.tensor))
+    if kinds == 0:
+        flags = ["--strategy=one_device"]
+    elif kinds > 1:
+        tensor = f",tensor={mesh.tensor}" if mesh.tensor > 1 else ""
+        flags = [
+            "--strategy=hybrid",
+            f"--virtual_devices={mesh.num_devices}",
+            f"--mesh=data={mesh.data},pipe={mesh.pipe}{tensor}",
+        ]
+    elif mesh.data > 1:
+        flags = ["--strategy=mirrored", f"--virtual_devices={mesh.data}"]
+    elif mesh.pipe > 1:
+        flags = [
+            "--strategy=pipeline",
+            f"--virtual_devices={mesh.pipe}",
+            f"--num_stages={mesh.pipe}",
+        ]
+    else:
+        flags = [
+            "--strategy=model_parallel",
+            f"--virtual_devices={mesh.tensor}",
+            f"--tensor_parallel={mesh.tensor}",
+        ]
+    if mesh.pipe > 1:
+        flags += [
+            f"--microbatches={layout.num_microbatches}",
+            f"--schedule={layout.schedule}",
+            *([f"--chunks={layout.chunks}"] if layout.chunks > 1 else []),
+            f"--partition=manual:{','.join(str(b) for b in layout.boundaries)}",
+        ]
+    flags += [f"--model={costs.model}", f"--dataset={costs.dataset}"]
+    if costs.data_path:
+        flags.append(f"--data_path={costs.data_path}")
+    flags += [f"--model_option={name}={value!r}" for name, value in costs.model_options.items()]
+    flags.append(f"--batch_size={global_batch}")
+    return flags
+
+
+def command_line(flags: list[str]) -> str:
+    """`python scripts/train.py` with `flags`, quoted for a POSIX shell."""
+    return " ".join(["python", "scripts/train.py", *(shlex.quote(flag) for flag in flags)])
