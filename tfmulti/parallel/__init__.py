@@ -1,0 +1,39 @@
+"""Tensor parallelism: Keras layers whose weights are split over devices (Megatron-style).
+
+Example:
+    >>> from tfmulti.parallel import ParallelMLP
+    >>> mlp = ParallelMLP(d_model=64, mlp_dim=256, devices=["/CPU:0", "/CPU:1"])
+"""
+
+from tfmulti.parallel.causal_attention import attend_causally
+from tfmulti.parallel.communication import (
+    CommunicationBytes,
+    cross_device_bytes,
+    measure_communication,
+)
+from tfmulti.parallel.parallel_attention import ParallelSelfAttention
+from tfmulti.parallel.parallel_mlp import ParallelMLP
+from tfmulti.parallel.shard_devices import resolve_shard_devices
+from tfmulti.parallel.sharded_layer import (
+    TensorParallelLayer,
+    set_unsplit_weights,
+    unsplit_weights,
+)
+from tfmulti.parallel.split_dense import ColumnParallelDense, RowParallelDense
+from tfmulti.parallel.vocab_embedding import VocabParallelEmbedding
+
+__all__ = [
+    "ColumnParallelDense",
+    "CommunicationBytes",
+    "ParallelMLP",
+    "ParallelSelfAttention",
+    "RowParallelDense",
+    "TensorParallelLayer",
+    "VocabParallelEmbedding",
+    "attend_causally",
+    "cross_device_bytes",
+    "measure_communication",
+    "resolve_shard_devices",
+    "set_unsplit_weights",
+    "unsplit_weights",
+]

@@ -1,0 +1,76 @@
+"""The cross-device steps of tensor-parallel layers, each with its gradient placed explicitly.
+
+Shards live on `devices`; the layer's input and output live on `devices[0]` (the home
+device). `fan_out` and `reduce_partial_sums` are the broadcast and reduce of Megatron's
+f and g operators; `scatter` and `gather` split and join along an axis. Every step is one
+group of ops on the home device; the tensor a shard reads crosses to the shard's device
+once (TensorFlow sends one copy per tensor and destination device). In backward the
+roles swap: a fan-out's gradients are reduced, a scatter's gathered and vice versa.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+
+def reduce_partial_sums(partials: Sequence[tf.Tensor], devices: Sequence[str]) -> tf.Tensor:
+    """Returns the sum of the K partial results on devices[0] (reduce-to-one-device).
+
+    The single place that picks the collective: K-1 partials each cross to the home
+    device once. A real all-reduce (e.g. NCCL) would replace this function.
+    """
+    with tf.device(devices[0]):
+        return tf.add_n(list(partials))
+
+
+def fan_out(tensor: tf.Tensor, devices: Sequence[str]) -> list[tf.Tensor]:
+    """Returns one handle of `tensor` per device, read there; backward sums their gradients.
+
+    Each handle is a separate tensor on the home device, so each shard's device receives
+    its own copy and the gradients arriving from the shards meet in `reduce_partial_sums`.
+    """
+    if not tensor.dtype.is_floating:
+        return [tensor] * len(devices)
+
+    @tf.custom_gradient
+    def fan_out_with_reduced_gradient(value):
+        def gradient(*handle_gradients):
+            return reduce_partial_sums(handle_gradients, devices)
+
+        return [tf.identity(value) for _ in devices], gradient
+
+    with tf.device(devices[0]):
+        return fan_out_with_reduced_gradient(tensor)
+
+
+def scatter(tensor: tf.Tensor, devices: Sequence[str], axis: int = -1) -> list[tf.Tensor]:
+    """Splits `tensor` into K equal pieces along `axis` on the home device, piece k for device k.
+
+    Backward joins the pieces' gradients on the home device.
+    """
+
+    @tf.custom_gradient
+    def split_with_joined_gradient(value):
+        def gradient(*piece_gradients):
+            return tf.concat(piece_gradients, axis)
+
+        return tf.split(value, len(devices), axis), gradient
+
+    with tf.device(devices[0]):
+        return split_with_joined_gradient(tensor)
+
+
+def gather(shards: Sequence[tf.Tensor], devices: Sequence[str], axis: int = -1) -> tf.Tensor:
+    """Joins the K shards along `axis` on the home device; backward splits the gradient there."""
+
+    @tf.custom_gradient
+    def concat_with_split_gradient(*pieces):
+        def gradient(joined_gradient):
+            return tf.split(joined_gradient, len(pieces), axis)
+
+        return tf.concat(pieces, axis), gradient
+
+    with tf.device(devices[0]):
+        return concat_with_split_gradient(*shards)

@@ -1,0 +1,125 @@
+"""Bytes that tensor-parallel layers move between devices: analytic counts and graph measurements.
+
+The measured count reads a traced graph: every tensor an op reads from another device is
+one transfer of `num_elements * dtype.size` bytes, counted once per (tensor, destination
+device), as TensorFlow's graph partitioner sends it once. Constants are not counted
+(each device gets its own) nor are resource handles (reading a variable runs on the
+variable's device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tfmulti.parallel.shard_devices import device_key
+
+
+@dataclasses.dataclass(frozen=True)
+class CommunicationBytes:
+    """Bytes crossing devices in one forward and one backward pass of a layer."""
+
+    forward: int
+    backward: int
+
+    def __add__(self, other: CommunicationBytes) -> CommunicationBytes:
+        return CommunicationBytes(self.forward + other.forward, self.backward + other.backward)
+
+
+def tensor_bytes(shape: Sequence[int], dtype) -> int:
+    """Returns the bytes of a tensor of fully known `shape` and `dtype`."""
+    return int(np.prod(shape, dtype=np.int64)) * tf.as_dtype(dtype).size
+
+
+def cross_device_bytes(graph: tf.Graph, unplaced_device: str) -> int:
+    """Returns the bytes of the tensors that ops in `graph` read from another device.
+
+    Args:
+        graph: a traced graph, e.g. `concrete_function.graph`; crossing tensors need
+            static shapes.
+        unplaced_device: where TensorFlow puts ops with no device of their own (the
+            default device, or the device scope the graph was traced under).
+    """
+    captured_devices = {
+        id(internal): external.device
+        for external, internal in getattr(graph, "captures", ())
+        if getattr(external, "device", "")
+    }
+
+    def device_of(op) -> tuple[str, int]:
+        if op.device:
+            return device_key(op.device)
+        for tensor in op.inputs:
+            # An unplaced variable read runs where the variable is.
+            if tensor.dtype == tf.resource and id(tensor) in captured_devices:
+                return device_key(captured_devices[id(tensor)])
+        return device_key(unplaced_device)
+
+    sent = set()
+    total = 0
+    for op in graph.get_operations():
+        destination = device_of(op)
+        for tensor in op.inputs:
+            producer = tensor.op
+            if tensor.dtype in (tf.resource, tf.variant) or producer.type == "Const":
+                continue
+            if device_of(producer) == destination or (tensor.name, destination) in sent:
+                continue
+            if not tensor.shape.is_fully_defined():
+                raise ValueError(
+                    "Counting bytes needs static shapes; trace with a fully known input "
+                    f"shape. Received: tensor {tensor.name} of shape {tensor.shape}"
+                )
+            sent.add((tensor.name, destination))
+            total += tensor_bytes(tensor.shape, tensor.dtype)
+    return total
+
+
+def measure_communication(layer, input_spec) -> CommunicationBytes:
+    """Traces `layer` forward, and forward with backward, and counts the bytes crossing devices.
+
+    The input and the gradients of outputs on the home device (`layer.devices[0]`) start
+    there, as they do in a model whose other layers run on the home device; a gradient of
+    an output left on a shard's device starts on that device, as its consumer's would.
+    The backward count is that of forward-and-backward minus that of forward.
+
+    Args:
+        layer: a built tensor-parallel layer (has `devices`).
+        input_spec: a `tf.TensorSpec` of the input with a fully known shape.
+
+    Example:
+        >>> measure_communication(mlp, tf.TensorSpec((8, 16, 64)))
+        CommunicationBytes(forward=32768, backward=32768)
+    """
+    home = layer.devices[0]
+
+    @tf.function
+    def forward(inputs):
+        with tf.device(home):
+            layer(inputs)
+
+    @tf.function
+    def forward_and_backward(inputs):
+        with tf.device(home):
+            sources = list(layer.trainable_variables)
+            with tf.GradientTape() as tape:
+                if inputs.dtype.is_floating:
+                    tape.watch(inputs)
+                    sources.insert(0, inputs)
+                outputs = tf.nest.flatten(layer(inputs))
+            # Each output's gradient is made where the output is, and is no constant
+            # (constants are not counted), as a consumer's gradient would be.
+            upstream = []
+            for output in outputs:
+                with tf.device(output.op.device or home):
+                    upstream.append(tf.identity(output))
+            tape.gradient(outputs, sources, output_gradients=upstream)
+
+    forward_bytes = cross_device_bytes(forward.get_concrete_function(input_spec).graph, home)
+    total_bytes = cross_device_bytes(
+        forward_and_backward.get_concrete_function(input_spec).graph, home
+    )
+    return CommunicationBytes(forward_bytes, total_bytes - forward_bytes)

@@ -1,0 +1,95 @@
+"""A token embedding whose vocabulary rows are split over devices."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import keras
+from keras import ops
+
+from tfmulti.parallel.collectives import fan_out, reduce_partial_sums
+from tfmulti.parallel.communication import CommunicationBytes, tensor_bytes
+from tfmulti.parallel.device_compute import run_on_device
+from tfmulti.parallel.shard_devices import check_divisible
+from tfmulti.parallel.sharded_layer import TensorParallelLayer
+
+
+@keras.saving.register_keras_serializable(package="tfmulti")
+class VocabParallelEmbedding(TensorParallelLayer):
+    """An embedding whose rows are split over devices: device k holds ids [k V/K, (k+1) V/K).
+
+    Every device looks up all ids, gives zeros for the ids outside its range, and the K
+    partial embeddings are summed on the home device: each id's row comes from exactly
+    one device.
+
+    Args:
+        input_dim: vocabulary size V; must be divisible by K.
+        output_dim: embedding width.
+        devices: one device per shard (K = len(devices)).
+        embeddings_initializer: as for keras.layers.Embedding.
+
+    Example:
+        >>> embedding = VocabParallelEmbedding(16, 4, ["/CPU:0", "/CPU:1"])
+        >>> embedding(keras.ops.zeros((2, 5), "int32")).shape
+        TensorShape([2, 5, 4])
+    """
+
+    def __init__(
+        self,
+        input_dim: int,
+        output_dim: int,
+        devices: Sequence[str],
+        embeddings_initializer="uniform",
+        **kwargs,
+    ):
+        super().__init__(devices, **kwargs)
+        check_divisible("input_dim (vocabulary size)", input_dim, self.num_shards)
+        self.input_dim = input_dim
+        self.output_dim = output_dim
+        self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
+
+    def build(self, input_shape=None):
+        self.embedding_shards = self.add_sharded_weight(
+            "embeddings", (self.input_dim, self.output_dim), 0, self.embeddings_initializer
+        )
+
+    def _shard_lookup(self, index, ids):
+        rows_per_shard = self.input_dim // self.num_shards
+        local_ids = ids - index * rows_per_shard
+        in_shard = ops.logical_and(local_ids >= 0, local_ids < rows_per_shard)
+        rows = ops.take(self.embedding_shards[index], ops.where(in_shard, local_ids, 0), axis=0)
+        rows = ops.cast(rows, self.compute_dtype)
+        return rows * ops.cast(in_shard, rows.dtype)[..., None]
+
+    def call(self, inputs):
+        ids = ops.cast(inputs, "int32")
+        partials = [
+            run_on_device(device, functools.partial(self._shard_lookup, index), handle)
+            for index, (device, handle) in enumerate(
+                zip(self.devices, fan_out(ids, self.devices), strict=True)
+            )
+        ]
+        return reduce_partial_sums(partials, self.devices)
+
+    def compute_output_shape(self, input_shape):
+        return (*input_shape, self.output_dim)
+
+    def communication_bytes(self, input_shape):
+        """Forward: the int32 ids out to K-1 devices and K-1 partial embeddings home.
+        Backward: the output gradient out to K-1 devices (ids have no gradient)."""
+        output_bytes = tensor_bytes((*input_shape, self.output_dim), self.compute_dtype)
+        ids_bytes = tensor_bytes(input_shape, "int32")
+        return CommunicationBytes(
+            (self.num_shards - 1) * (ids_bytes + output_bytes),
+            (self.num_shards - 1) * output_bytes,
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            input_dim=self.input_dim,
+            output_dim=self.output_dim,
+            embeddings_initializer=keras.initializers.serialize(self.embeddings_initializer),
+        )
+        return config
