@@ -37,3 +37,9 @@ __all__ = [
     "set_unsplit_weights",
     "unsplit_weights",
 ]
+
+# Layer placement (model parallelism for any functional model).
+from tfmulti.parallel.placement import PlacedModel, place, place_reference_model  # noqa: E402
+from tfmulti.parallel.placement_summary import PlacementSummary  # noqa: E402
+
+__all__ += ["PlacedModel", "PlacementSummary", "place", "place_reference_model"]
