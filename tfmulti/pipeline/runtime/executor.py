@@ -81,7 +81,7 @@ def _timestamp(after: Sequence[tf.Tensor]) -> tf.Tensor:
     return tf.numpy_function(_now, tokens, tf.float64, stateful=False)
 
 
-def _add(first, second):
+def add_gradients(first, second):
     """Sums two gradients; sparse ones (e.g. of embeddings) stay sparse by concatenation."""
     if isinstance(first, tf.IndexedSlices) and isinstance(second, tf.IndexedSlices):
         return tf.IndexedSlices(
@@ -311,7 +311,7 @@ class _StepBuilder:
             key = id(variable)
             self.variables.setdefault(key, variable)
             total = self.accumulated.get(key)
-            self.accumulated[key] = gradient if total is None else _add(total, gradient)
+            self.accumulated[key] = gradient if total is None else add_gradients(total, gradient)
             sums.append(_tensor_part(self.accumulated[key]))
         return sums
 

@@ -13,7 +13,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 from tfmulti.pipeline.actions import Schedule
 from tfmulti.pipeline.dependencies import TimedAction
-from tfmulti.pipeline.runtime.executor import ScheduleExecutor
+from tfmulti.pipeline.runtime.executor import ScheduleExecutor, StepResult
 from tfmulti.pipeline.runtime.microbatches import (
     check_divisible,
     concat_microbatches,
@@ -112,7 +112,7 @@ class PipelineModel(keras.Model):
         self.built = True
 
     def call(self, inputs, training=None):
-        self._place_stages(inputs)
+        self.build_stages(inputs)
         batch_size = static_batch_size(inputs)
         splittable = batch_size is not None and batch_size % self.num_microbatches == 0
         parts = split_microbatches(inputs, self.num_microbatches) if splittable else [inputs]
@@ -126,28 +126,8 @@ class PipelineModel(keras.Model):
 
     def train_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        self._place_stages(x)
-        check_divisible(x, self.num_microbatches)
-        m = self.num_microbatches
-        x_parts = split_microbatches(x, m)
-        y_parts = split_microbatches(y, m)
-        weight_parts = split_microbatches(sample_weight, m)
-
-        def microbatch_loss(microbatch, y_pred):
-            loss = self._compute_loss(
-                x=x_parts[microbatch],
-                y=y_parts[microbatch],
-                y_pred=y_pred,
-                sample_weight=weight_parts[microbatch],
-                training=True,
-            )
-            differentiated = loss / m
-            if self.optimizer is not None:
-                differentiated = self.optimizer.scale_loss(differentiated)
-            return loss, differentiated
-
-        result = self._executor.run(x_parts, microbatch_loss, trace=self._tracing)
-        loss = tf.add_n(result.losses) / m
+        result = self.run_schedule(x, y, sample_weight)
+        loss = tf.add_n(result.losses) / self.num_microbatches
         batch_size = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
         self._loss_tracker.update_state(
             loss_module.unscale_loss_for_distribution(loss), sample_weight=batch_size
@@ -159,6 +139,44 @@ class PipelineModel(keras.Model):
             )
         y_pred = concat_microbatches(result.outputs)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def run_schedule(
+        self, x, y, sample_weight=None, loss_model: keras.Model | None = None
+    ) -> StepResult:
+        """Runs the schedule's forwards and backwards on one batch; applies nothing.
+
+        Args:
+            x, y, sample_weight: the batch; it splits into `num_microbatches` parts.
+            loss_model: the compiled model whose loss and optimizer loss scaling each
+                micro-batch uses; default this model. A model that holds several
+                pipelines and applies their gradients itself passes itself.
+
+        Returns:
+            A `StepResult`: gradients are of loss / num_microbatches, summed over
+            micro-batches (times the optimizer's loss scale, if any).
+        """
+        loss_model = self if loss_model is None else loss_model
+        self.build_stages(x)
+        check_divisible(x, self.num_microbatches)
+        m = self.num_microbatches
+        x_parts = split_microbatches(x, m)
+        y_parts = split_microbatches(y, m)
+        weight_parts = split_microbatches(sample_weight, m)
+
+        def microbatch_loss(microbatch, y_pred):
+            loss = loss_model._compute_loss(
+                x=x_parts[microbatch],
+                y=y_parts[microbatch],
+                y_pred=y_pred,
+                sample_weight=weight_parts[microbatch],
+                training=True,
+            )
+            differentiated = loss / m
+            if loss_model.optimizer is not None:
+                differentiated = loss_model.optimizer.scale_loss(differentiated)
+            return loss, differentiated
+
+        return self._executor.run(x_parts, microbatch_loss, trace=self._tracing)
 
     def set_step_tracing(self, enabled: bool) -> None:
         """Makes the following training steps record when each action starts and ends.
@@ -209,7 +227,9 @@ class PipelineModel(keras.Model):
                 return index
         raise ValueError(f"Variable {variable.path!r} belongs to no stage of this model.")
 
-    def _place_stages(self, inputs) -> None:
+    def build_stages(self, inputs) -> None:
+        """Builds every unbuilt stage on its device for batches like `inputs` (a nest of
+        tensors); the first call, fit or run_schedule does it otherwise."""
         if not all(stage.built for stage in self.stages):
             build_stages_on_devices(self.stages, self.stage_devices, inputs)
             check_stage_placement(self.stages, self.stage_devices)

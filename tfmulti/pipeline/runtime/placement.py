@@ -18,9 +18,12 @@ def resolve_devices(devices: Sequence[str]) -> list[str]:
         ValueError: a device is not a logical device of this process, or appears twice.
     """
     available = {}
+    by_full_name = {}
     for logical in tf.config.list_logical_devices():
         spec = tf.DeviceSpec.from_string(logical.name)
-        available[(spec.device_type.upper(), spec.device_index)] = logical.name
+        by_full_name[spec.to_string()] = logical.name
+        # In a cluster the list also holds other workers' devices, after this worker's.
+        available.setdefault((spec.device_type.upper(), spec.device_index), logical.name)
     resolved = []
     for name in devices:
         try:
@@ -30,6 +33,9 @@ def resolve_devices(devices: Sequence[str]) -> list[str]:
                 f"Cannot read device name {name!r}; write it like '/device:CPU:0'. "
                 f"Available: {sorted(available.values())}"
             ) from error
+        if spec.to_string() in by_full_name:
+            resolved.append(by_full_name[spec.to_string()])
+            continue
         key = ((spec.device_type or "").upper(), spec.device_index)
         if key not in available:
             raise ValueError(

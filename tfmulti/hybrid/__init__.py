@@ -1,0 +1,14 @@
+"""Hybrid parallelism: data-parallel copies of a pipelined model, on one host or many."""
+
+from tfmulti.hybrid.build import build_hybrid_model, local_device_names
+from tfmulti.hybrid.hybrid_model import HybridPipelineModel
+from tfmulti.hybrid.worker_collectives import WorkerCollectives
+from tfmulti.hybrid.worker_input import worker_rows
+
+__all__ = [
+    "HybridPipelineModel",
+    "WorkerCollectives",
+    "build_hybrid_model",
+    "local_device_names",
+    "worker_rows",
+]

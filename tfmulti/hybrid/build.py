@@ -1,0 +1,108 @@
+"""Builds a hybrid data x pipeline model from a block list and a mesh, on one host or many."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import keras
+import tensorflow as tf
+
+from tfmulti.cluster import ClusterInfo
+from tfmulti.devices import logical_device_names
+from tfmulti.hybrid.hybrid_model import HybridPipelineModel
+from tfmulti.hybrid.worker_collectives import WorkerCollectives
+from tfmulti.mesh import DeviceMesh, MeshError, parse_mesh
+from tfmulti.pipeline.runtime.partition import partition_blocks, stages_from_blocks
+
+
+def local_device_names(cluster: ClusterInfo | None = None) -> list[str]:
+    """This worker's logical accelerator (or CPU) devices, in index order.
+
+    Once the collective runtime runs, TensorFlow lists every worker's devices; only the
+    ones of `cluster`'s own task are kept.
+    """
+    names = logical_device_names()
+    if cluster is None:
+        return names
+    job, task = cluster.task()
+    local = []
+    for name in names:
+        spec = tf.DeviceSpec.from_string(name)
+        if spec.job is None or (spec.job == job and spec.task == task):
+            local.append(name)
+    return local
+
+
+def build_hybrid_model(
+    make_blocks: Callable[[], Sequence[keras.layers.Layer]],
+    mesh: DeviceMesh | str,
+    num_microbatches: int,
+    schedule: str = "1f1b",
+    chunks: int = 1,
+    partition_boundaries: Sequence[int] | None = None,
+    remat: bool = False,
+    devices: Sequence[str] | None = None,
+    cluster: ClusterInfo | None = None,
+    communication: str = "auto",
+    collective_timeout: float | None = None,
+) -> HybridPipelineModel:
+    """Builds a `HybridPipelineModel`: pipe x chunks stages per replica, data replicas.
+
+    Across workers, build `tfmulti.cluster.build_multi_worker_strategy(cluster, ...)` first
+    (before any other TensorFlow work): it starts the collective runtime the gradient sums
+    use. Each worker then runs data / num_workers replicas on its own devices.
+
+    Args:
+        make_blocks: returns the model's unbuilt blocks in order, the same model at every
+            call (e.g. a seeded `models.registry.build_blocks`); called once per replica.
+        mesh: a `DeviceMesh` or text like "data=2,pipe=2".
+        num_microbatches: micro-batches per replica per step (m).
+        schedule: "gpipe", "1f1b", "interleaved_1f1b", "zb_h1" or "zb_h2".
+        chunks: stages per device (v), for "interleaved_1f1b".
+        partition_boundaries: first block of each stage after the first (pipe x chunks - 1
+            of them), e.g. `partition_blocks(...).boundaries`; None splits evenly.
+        remat: recompute each stage's forward in its backward.
+        devices: this worker's devices; default all of its logical devices.
+        cluster: the cluster when data replicas span workers; None on one host.
+        communication: collective implementation across workers: "auto", "ring", "nccl".
+        collective_timeout: seconds before a stuck cross-worker sum fails; None waits.
+
+    Raises:
+        MeshError: the mesh does not fit the devices, or asks for tensor > 1.
+
+    Example:
+        >>> model = build_hybrid_model(
+        ...     lambda: registry.build_blocks("mlp", (64,), 10, seed=0), "data=2,pipe=2",
+        ...     num_microbatches=4, schedule="zb_h1")
+    """
+    mesh = parse_mesh(mesh) if isinstance(mesh, str) else mesh
+    if mesh.tensor > 1:
+        raise MeshError(
+            f"Mesh {mesh} asks for tensor parallelism, which hybrid training does not "
+            "support yet. Received: tensor={mesh.tensor}; use tensor=1."
+        )
+    devices = list(devices) if devices is not None else local_device_names(cluster)
+    num_workers = cluster.num_workers if cluster is not None else 1
+    replica_devices = mesh.replica_devices(devices, num_workers)
+    num_stages = mesh.pipe * chunks
+    if partition_boundaries is None:
+        partition_boundaries = partition_blocks(make_blocks(), num_stages).boundaries
+    if len(partition_boundaries) != num_stages - 1:
+        raise ValueError(
+            f"Mesh pipe={mesh.pipe} x chunks={chunks} makes {num_stages} stages, which need "
+            f"{num_stages - 1} boundaries. Received: partition_boundaries="
+            f"{list(partition_boundaries)}"
+        )
+    collectives = None
+    if num_workers > 1:
+        collectives = WorkerCollectives(
+            num_workers, cluster.task_index, communication, collective_timeout
+        )
+    return HybridPipelineModel(
+        lambda: stages_from_blocks(make_blocks(), partition_boundaries),
+        replica_devices,
+        num_microbatches,
+        schedule,
+        remat=remat,
+        worker_collectives=collectives,
+    )

@@ -1,0 +1,231 @@
+"""HybridPipelineModel: data parallelism over copies of a pipelined model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import keras
+import tensorflow as tf
+from keras.src.losses import loss as loss_module
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from tfmulti.hybrid.worker_collectives import WorkerCollectives
+from tfmulti.pipeline.actions import Schedule
+from tfmulti.pipeline.runtime.executor import add_gradients
+from tfmulti.pipeline.runtime.microbatches import (
+    concat_microbatches,
+    split_microbatches,
+    static_batch_size,
+)
+from tfmulti.pipeline.runtime.optimizer_placement import place_optimizer_on_variable_devices
+from tfmulti.pipeline.runtime.pipeline_model import PipelineModel
+
+
+class HybridPipelineModel(keras.Model):
+    """A pipelined model copied into data-parallel replicas that train as one model.
+
+    Each local replica is a `PipelineModel` on its own devices. A training step splits the
+    batch into one equal part per local replica; each replica runs the pipeline schedule on
+    its part in `num_microbatches` micro-batches; each variable's gradient is averaged over
+    the replicas (on replica 0's device for it, then over workers with
+    `worker_collectives`), and every copy applies the same update, so copies stay equal
+    and the step equals one-device training on the whole batch. Each copy keeps its own
+    optimizer slots on its own devices. `evaluate` and `predict` split the batch over the
+    local replicas.
+
+    Args:
+        make_stages: returns a new list of unbuilt stages, the same model at every call;
+            called once per local replica. Replica 0's initial weights are copied into
+            the others (and, across workers, the chief's into every worker's).
+        replica_devices: per local replica, the device of each of its p pipeline devices,
+            e.g. from `DeviceMesh.replica_devices`.
+        num_microbatches: micro-batches each replica splits its part into per step (m).
+        schedule: any `PipelineModel` schedule: "gpipe", "1f1b", "interleaved_1f1b",
+            "zb_h1", "zb_h2", schedule text, or a `Schedule`.
+        remat: recompute forwards in backwards, as for `PipelineModel`.
+        worker_collectives: sums over workers when data replicas also live on other
+            workers; None when every replica is on this host.
+        **kwargs: passed to `keras.Model` (e.g. `name`).
+
+    Example:
+        >>> mesh = parse_mesh("data=2,pipe=2")
+        >>> model = HybridPipelineModel(
+        ...     lambda: [keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)],
+        ...     mesh.replica_devices(logical_device_names()), num_microbatches=4)
+        >>> model.compile(optimizer="adam", loss="mse")
+        >>> model.fit(x, y, batch_size=32)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        make_stages: Callable[[], Sequence[keras.layers.Layer]],
+        replica_devices: Sequence[Sequence[str]],
+        num_microbatches: int = 1,
+        schedule: str | Schedule = "1f1b",
+        remat: bool | Sequence[bool] = False,
+        worker_collectives: WorkerCollectives | None = None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        replica_devices = [list(devices) for devices in replica_devices]
+        if not replica_devices:
+            raise ValueError(
+                "replica_devices needs at least one replica's device list. "
+                f"Received: replica_devices={replica_devices!r}"
+            )
+        self.replicas = [
+            PipelineModel(list(make_stages()), devices, num_microbatches, schedule, remat)
+            for devices in replica_devices
+        ]
+        self.num_microbatches = self.replicas[0].num_microbatches
+        self.worker_collectives = worker_collectives
+        num_workers = worker_collectives.num_workers if worker_collectives else 1
+        self.num_data_replicas = len(self.replicas) * num_workers
+        self._replicas_synced = False
+
+    def compile(self, *args, jit_compile=False, **kwargs):
+        """Like `keras.Model.compile`; refuses XLA (it would merge the devices) and
+        `global_clipnorm` (the optimizer sees every copy's gradient, so the norm would be
+        sqrt(replicas) times too large; `clipnorm` and `clipvalue` work)."""
+        if jit_compile is True:
+            raise ValueError(
+                "HybridPipelineModel places each stage on its own device, which XLA "
+                "compilation ignores. Received: jit_compile=True; use jit_compile=False."
+            )
+        super().compile(*args, jit_compile=False, **kwargs)
+        if self.optimizer is None:
+            return
+        inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+        if inner.global_clipnorm is not None:
+            raise ValueError(
+                "HybridPipelineModel applies each gradient to every copy of the model, so a "
+                "global norm would count each copy. Received: global_clipnorm="
+                f"{inner.global_clipnorm}; use clipnorm or clipvalue."
+            )
+        place_optimizer_on_variable_devices(self.optimizer)
+
+    def build(self, input_shape=None):
+        # Replicas are built on their devices at the first call, once input dtypes are known.
+        self.built = True
+
+    def call(self, inputs, training=None):
+        parts = self._replica_parts(inputs)
+        self._build_replicas(parts[0])
+        if len(parts) == 1:
+            return self.replicas[0](inputs, training=training)
+        return concat_microbatches(
+            [
+                replica(part, training=training)
+                for replica, part in zip(self.replicas, parts, strict=True)
+            ]
+        )
+
+    def train_step(self, data):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        self._check_batch(x)
+        x_parts = split_microbatches(x, len(self.replicas))
+        y_parts = split_microbatches(y, len(self.replicas))
+        weight_parts = split_microbatches(sample_weight, len(self.replicas))
+        self._build_replicas(x_parts[0])
+        results = [
+            replica.run_schedule(x_part, y_part, weight_part, loss_model=self)
+            for replica, x_part, y_part, weight_part in zip(
+                self.replicas, x_parts, y_parts, weight_parts, strict=True
+            )
+        ]
+        gradients = self._averaged_gradients(results)
+        loss = self._averaged_loss(results)
+        batch_size = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+        self._loss_tracker.update_state(
+            loss_module.unscale_loss_for_distribution(loss), sample_weight=batch_size
+        )
+        self.optimizer.apply_gradients(
+            (gradient, variable)
+            for replica in self.replicas
+            for gradient, variable in zip(gradients, replica.trainable_variables, strict=True)
+        )
+        y_pred = concat_microbatches([concat_microbatches(r.outputs) for r in results])
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _replica_parts(self, inputs) -> list:
+        batch_size = static_batch_size(inputs)
+        if batch_size is not None and batch_size % len(self.replicas) == 0:
+            return split_microbatches(inputs, len(self.replicas))
+        return [inputs]
+
+    def _check_batch(self, x) -> None:
+        batch_size = static_batch_size(x)
+        rows_per_step = len(self.replicas) * self.num_microbatches
+        if batch_size is not None and batch_size % rows_per_step:
+            raise ValueError(
+                f"A batch of {batch_size} rows cannot be split into {len(self.replicas)} "
+                f"replicas x {self.num_microbatches} micro-batches of equal size. Use a "
+                f"batch size that is a multiple of {rows_per_step} on each worker, and "
+                "`drop_remainder=True` when batching the dataset."
+            )
+
+    def _build_replicas(self, inputs) -> None:
+        """Builds every replica on its devices, then makes every copy equal replica 0's
+        weights (and, across workers, the chief's)."""
+        if self._replicas_synced:
+            return
+        for replica in self.replicas:
+            replica.build_stages(inputs)
+        with tf.init_scope():
+            source = list(self.replicas[0].weights)
+            if self.worker_collectives is not None:
+                values = self.worker_collectives.broadcast_from_chief(
+                    [v.value for v in source],
+                    [v.value.device for v in source],
+                    keys=range(1, len(source) + 1),
+                )
+                for variable, value in zip(source, values, strict=True):
+                    variable.assign(value)
+            for replica in self.replicas[1:]:
+                for variable, reference in zip(replica.weights, source, strict=True):
+                    variable.assign(reference.value)
+        self._replicas_synced = True
+
+    def _averaged_gradients(self, results) -> list:
+        """Each variable's gradient averaged over all data replicas, in the order of
+        `replicas[0].trainable_variables`."""
+        per_replica = []
+        for replica, result in zip(self.replicas, results, strict=True):
+            by_variable = {
+                id(v): g for v, g in zip(result.variables, result.gradients, strict=True)
+            }
+            per_replica.append([by_variable[id(v)] for v in replica.trainable_variables])
+        devices = [v.value.device for v in self.replicas[0].trainable_variables]
+        scale = 1.0 / self.num_data_replicas
+        averaged = []
+        for device, replica_gradients in zip(devices, zip(*per_replica, strict=True), strict=True):
+            with tf.device(device):
+                total = replica_gradients[0]
+                for gradient in replica_gradients[1:]:
+                    total = add_gradients(total, gradient)
+                if self.worker_collectives is not None:
+                    total = tf.convert_to_tensor(total)
+                averaged.append(_scaled(total, scale))
+        if self.worker_collectives is None:
+            return averaged
+        # Instance keys after the ones _build_replicas used for the weights.
+        first_key = len(self.replicas[0].weights) + 1
+        return self.worker_collectives.sum(
+            averaged, devices, keys=range(first_key, first_key + len(averaged))
+        )
+
+    def _averaged_loss(self, results) -> tf.Tensor:
+        """The mean loss over every micro-batch of every data replica."""
+        losses = [loss for result in results for loss in result.losses]
+        loss = tf.add_n(losses) / (self.num_microbatches * self.num_data_replicas)
+        if self.worker_collectives is None:
+            return loss
+        key = len(self.replicas[0].weights) + len(self.replicas[0].trainable_variables) + 1
+        device = self.replicas[0].stage_devices[-1]
+        return self.worker_collectives.sum([loss], [device], keys=[key])[0]
+
+
+def _scaled(gradient, scale: float):
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * scale, gradient.indices, gradient.dense_shape)
+    return gradient * scale
