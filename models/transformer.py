@@ -4,7 +4,9 @@ Blocks: token + position embedding, pre-LN Transformer blocks (causal
 multi-head self-attention and an MLP, each behind a residual), and a head of
 final LayerNorm and vocabulary logits. Attention and MLP are separate layers,
 `CausalSelfAttention` and `FeedForward`, so they can be swapped (e.g. for
-tensor-parallel versions) without touching the block.
+tensor-parallel versions) without touching the block. With `tensor_parallel=K` the
+attention, MLP and token embedding are the split layers of `tfmulti.parallel`, drawn
+from the same seeded initializers, so the model starts from the same weights.
 """
 
 from __future__ import annotations
@@ -15,6 +17,13 @@ import keras
 from keras import ops
 
 from models.blocks import derive_seed
+from tfmulti.parallel import (
+    ParallelMLP,
+    ParallelSelfAttention,
+    VocabParallelEmbedding,
+    attend_causally,
+    resolve_shard_devices,
+)
 
 # GPT-2's initial weight scale.
 _INIT_STDDEV = 0.02
@@ -22,6 +31,16 @@ _INIT_STDDEV = 0.02
 
 def _normal(seed: int) -> keras.initializers.Initializer:
     return keras.initializers.RandomNormal(stddev=_INIT_STDDEV, seed=seed)
+
+
+def _attention_initializers(seed: int) -> list[keras.initializers.Initializer]:
+    """Kernel initializers of the query, key, value and output projections."""
+    return [_normal(derive_seed(seed, index)) for index in range(4)]
+
+
+def _feed_forward_initializers(seed: int) -> list[keras.initializers.Initializer]:
+    """Kernel initializers of the MLP's hidden and output layers."""
+    return [_normal(derive_seed(seed, index)) for index in range(2)]
 
 
 @keras.saving.register_keras_serializable(package="tfmulti")
@@ -33,6 +52,8 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         sequence_length: longest sequence (number of learned positions).
         d_model: embedding width.
         seed: seeds the two embedding tables.
+        tensor_parallel_devices: if given, the token table's rows are split over these
+            devices (`VocabParallelEmbedding`).
 
     Example:
         >>> layer = TokenAndPositionEmbedding(vocab_size=16, sequence_length=8, d_model=4)
@@ -40,18 +61,31 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         (2, 8, 4)
     """
 
-    def __init__(self, vocab_size, sequence_length, d_model, seed=0, **kwargs):
+    def __init__(
+        self, vocab_size, sequence_length, d_model, seed=0, tensor_parallel_devices=None, **kwargs
+    ):
         super().__init__(**kwargs)
         self.vocab_size = vocab_size
         self.sequence_length = sequence_length
         self.d_model = d_model
         self.seed = seed
-        self.token_embedding = keras.layers.Embedding(
-            vocab_size,
-            d_model,
-            embeddings_initializer=_normal(derive_seed(seed, 0)),
-            dtype=self.dtype_policy,
-        )
+        self.tensor_parallel_devices = tensor_parallel_devices
+        token_initializer = _normal(derive_seed(seed, 0))
+        if tensor_parallel_devices:
+            self.token_embedding = VocabParallelEmbedding(
+                vocab_size,
+                d_model,
+                tensor_parallel_devices,
+                embeddings_initializer=token_initializer,
+                dtype=self.dtype_policy,
+            )
+        else:
+            self.token_embedding = keras.layers.Embedding(
+                vocab_size,
+                d_model,
+                embeddings_initializer=token_initializer,
+                dtype=self.dtype_policy,
+            )
         self.position_embedding = keras.layers.Embedding(
             sequence_length,
             d_model,
@@ -77,6 +111,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
             sequence_length=self.sequence_length,
             d_model=self.d_model,
             seed=self.seed,
+            tensor_parallel_devices=self.tensor_parallel_devices,
         )
         return config
 
@@ -107,12 +142,8 @@ class CausalSelfAttention(keras.layers.Layer):
         self.num_heads = num_heads
         self.seed = seed
         self.query, self.key, self.value, self.output_projection = (
-            keras.layers.Dense(
-                d_model,
-                kernel_initializer=_normal(derive_seed(seed, index)),
-                dtype=self.dtype_policy,
-            )
-            for index in range(4)
+            keras.layers.Dense(d_model, kernel_initializer=initializer, dtype=self.dtype_policy)
+            for initializer in _attention_initializers(seed)
         )
         self.softmax = keras.layers.Softmax(axis=-1, dtype=self.dtype_policy)
 
@@ -126,15 +157,10 @@ class CausalSelfAttention(keras.layers.Layer):
 
     def call(self, inputs):
         length = ops.shape(inputs)[1]
-        head_size = self.d_model // self.num_heads
         query = self._split_heads(self.query(inputs), length)
         key = self._split_heads(self.key(inputs), length)
         value = self._split_heads(self.value(inputs), length)
-        scores = ops.matmul(query, ops.transpose(key, (0, 1, 3, 2)))
-        scores = scores / ops.cast(ops.sqrt(float(head_size)), scores.dtype)
-        causal_mask = ops.tril(ops.ones((length, length), dtype="bool"))
-        weights = self.softmax(scores, mask=causal_mask[None, None])
-        attended = ops.transpose(ops.matmul(weights, value), (0, 2, 1, 3))
+        attended = ops.transpose(attend_causally(query, key, value, self.softmax), (0, 2, 1, 3))
         return self.output_projection(ops.reshape(attended, (-1, length, self.d_model)))
 
     def compute_output_shape(self, input_shape):
@@ -165,14 +191,15 @@ class FeedForward(keras.layers.Layer):
         self.d_model = d_model
         self.mlp_dim = mlp_dim
         self.seed = seed
+        hidden_initializer, output_initializer = _feed_forward_initializers(seed)
         self.hidden = keras.layers.Dense(
             mlp_dim,
             activation="gelu",
-            kernel_initializer=_normal(derive_seed(seed, 0)),
+            kernel_initializer=hidden_initializer,
             dtype=self.dtype_policy,
         )
         self.output_projection = keras.layers.Dense(
-            d_model, kernel_initializer=_normal(derive_seed(seed, 1)), dtype=self.dtype_policy
+            d_model, kernel_initializer=output_initializer, dtype=self.dtype_policy
         )
 
     def build(self, input_shape):
@@ -200,26 +227,48 @@ class TransformerBlock(keras.layers.Layer):
         num_heads: attention heads.
         mlp_dim: hidden width of the MLP.
         seed: seeds the attention and MLP weights.
+        tensor_parallel_devices: if given, attention heads and MLP hidden units are split
+            over these devices (`ParallelSelfAttention`, `ParallelMLP`).
 
     Example:
         >>> TransformerBlock(d_model=8, num_heads=2, mlp_dim=32)(keras.ops.zeros((2, 5, 8))).shape
         (2, 5, 8)
     """
 
-    def __init__(self, d_model, num_heads, mlp_dim, seed=0, **kwargs):
+    def __init__(self, d_model, num_heads, mlp_dim, seed=0, tensor_parallel_devices=None, **kwargs):
         super().__init__(**kwargs)
         self.d_model = d_model
         self.num_heads = num_heads
         self.mlp_dim = mlp_dim
         self.seed = seed
+        self.tensor_parallel_devices = tensor_parallel_devices
+        attention_seed, feed_forward_seed = derive_seed(seed, 0), derive_seed(seed, 1)
         self.attention_norm = keras.layers.LayerNormalization(epsilon=1e-5, dtype=self.dtype_policy)
-        self.attention = CausalSelfAttention(
-            d_model, num_heads, seed=derive_seed(seed, 0), dtype=self.dtype_policy
-        )
         self.mlp_norm = keras.layers.LayerNormalization(epsilon=1e-5, dtype=self.dtype_policy)
-        self.feed_forward = FeedForward(
-            d_model, mlp_dim, seed=derive_seed(seed, 1), dtype=self.dtype_policy
-        )
+        if tensor_parallel_devices:
+            self.attention = ParallelSelfAttention(
+                d_model,
+                num_heads,
+                tensor_parallel_devices,
+                kernel_initializers=_attention_initializers(attention_seed),
+                dtype=self.dtype_policy,
+            )
+            hidden_initializer, output_initializer = _feed_forward_initializers(feed_forward_seed)
+            self.feed_forward = ParallelMLP(
+                d_model,
+                mlp_dim,
+                tensor_parallel_devices,
+                hidden_initializer=hidden_initializer,
+                output_initializer=output_initializer,
+                dtype=self.dtype_policy,
+            )
+        else:
+            self.attention = CausalSelfAttention(
+                d_model, num_heads, seed=attention_seed, dtype=self.dtype_policy
+            )
+            self.feed_forward = FeedForward(
+                d_model, mlp_dim, seed=feed_forward_seed, dtype=self.dtype_policy
+            )
 
     def build(self, input_shape):
         for layer in (self.attention_norm, self.attention, self.mlp_norm, self.feed_forward):
@@ -235,7 +284,11 @@ class TransformerBlock(keras.layers.Layer):
     def get_config(self):
         config = super().get_config()
         config.update(
-            d_model=self.d_model, num_heads=self.num_heads, mlp_dim=self.mlp_dim, seed=self.seed
+            d_model=self.d_model,
+            num_heads=self.num_heads,
+            mlp_dim=self.mlp_dim,
+            seed=self.seed,
+            tensor_parallel_devices=self.tensor_parallel_devices,
         )
         return config
 
@@ -288,6 +341,8 @@ def build_blocks(
     num_heads: int = 4,
     d_model: int = 64,
     mlp_dim: int | None = None,
+    tensor_parallel: int = 1,
+    tensor_parallel_devices: Sequence[str] | str | None = None,
 ) -> list[keras.layers.Layer]:
     """Builds the language model as an embedding block, num_layers blocks and a head block.
 
@@ -301,6 +356,11 @@ def build_blocks(
         num_heads: attention heads; must divide d_model.
         d_model: width of the residual stream.
         mlp_dim: hidden width of each MLP; 4 * d_model if None.
+        tensor_parallel: K > 1 splits every attention (by heads), MLP (by hidden units)
+            and the token embedding (by vocabulary rows) over K devices; num_heads,
+            mlp_dim and the vocabulary must be divisible by K.
+        tensor_parallel_devices: the K devices (names, or one comma-separated string);
+            None means the first K logical devices.
 
     Example:
         >>> [type(b).__name__ for b in build_blocks((32,), 64, num_layers=1)]
@@ -324,9 +384,22 @@ def build_blocks(
         )
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1. Received: num_layers={num_layers}")
+    if tensor_parallel < 1:
+        raise ValueError(
+            "tensor_parallel must be >= 1 (1: no split). "
+            f"Received: tensor_parallel={tensor_parallel}"
+        )
+    devices = None
+    if tensor_parallel > 1 or tensor_parallel_devices is not None:
+        devices = resolve_shard_devices(tensor_parallel, tensor_parallel_devices)
     blocks = [
         TokenAndPositionEmbedding(
-            num_outputs, input_shape[0], d_model, seed=derive_seed(seed, 0), name="embedding"
+            num_outputs,
+            input_shape[0],
+            d_model,
+            seed=derive_seed(seed, 0),
+            tensor_parallel_devices=devices,
+            name="embedding",
         )
     ]
     for index in range(num_layers):
@@ -336,6 +409,7 @@ def build_blocks(
                 num_heads,
                 mlp_dim or 4 * d_model,
                 seed=derive_seed(seed, index + 1),
+                tensor_parallel_devices=devices,
                 name=f"transformer_block_{index}",
             )
         )
