@@ -3,6 +3,7 @@
 import itertools
 import json
 import re
+import warnings
 
 import keras
 import numpy as np
@@ -299,3 +300,20 @@ def test_bad_placement_file_is_a_one_line_error(tmp_path):
     for placement in (str(path), "fastest"):
         with pytest.raises(ValueError, match=re.escape(placement)):
             place_reference_model(_reference_model("mlp"), None, placement, print_fn=None)
+
+
+def test_sequential_model_is_placed_as_its_graph_with_the_same_outputs():
+    def sequential():
+        initializer = keras.initializers.GlorotUniform(3)
+        return keras.Sequential(
+            [keras.Input((6,))]
+            + [keras.layers.Dense(4, kernel_initializer=initializer) for _ in range(3)]
+        )
+
+    x, _ = _skip_data()
+    expected = sequential().predict(x[0], verbose=0)
+    placed = place(sequential(), balance="params", devices=[2, 3], print_fn=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        np.testing.assert_allclose(placed.predict(x[0], verbose=0), expected, rtol=1e-6)
+    assert sorted(set(placed.unit_devices.values())) == [0, 1]

@@ -61,7 +61,7 @@ class PlacedModel(keras.Model):
         unit_devices: Mapping[str, int],
         placement_summary: PlacementSummary,
     ):
-        super().__init__(model.inputs, model.outputs, name=model.name)
+        super().__init__(model.input, model.output, name=model.name)
         self.devices = list(devices)
         self.unit_devices = dict(unit_devices)
         self.placement_summary = placement_summary

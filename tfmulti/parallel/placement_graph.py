@@ -51,7 +51,7 @@ def functional_view(model: keras.Model) -> keras.Model:
     """
     if isinstance(model, keras.Sequential):
         try:
-            return keras.Model(model.inputs, model.outputs, name=model.name)
+            return keras.Model(model.inputs[0], model.outputs[0], name=model.name)
         except (AttributeError, ValueError) as error:
             raise ValueError(
                 f"Sequential model {model.name!r} has no known input shape, so it has no graph "
