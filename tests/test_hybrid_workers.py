@@ -8,9 +8,12 @@ import os
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from pipeline_runtime_models import Chain
 
 from tests.workers.local_cluster import WORKERS_DIR, run_local_cluster
+from tfmulti.cluster import resolve_cluster
+from tfmulti.hybrid import resolve_hybrid_cluster, worker_rows
 
 
 def _load_worker_module():
@@ -66,3 +69,23 @@ def test_each_worker_keeps_its_pipeline_stages_on_its_own_two_devices(worker_res
         assert devices == [
             f"/job:worker/replica:0/task:{rank}/device:CPU:{index}" for index in (0, 0, 1, 1)
         ]
+
+
+def test_each_worker_keeps_its_contiguous_share_of_every_global_batch():
+    x = np.arange(16, dtype="float32").reshape(16, 1)
+    y = -x
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    cluster = resolve_cluster(["h:1", "h:2"], task_index=1)
+    batches = [(bx.numpy().ravel(), by.numpy().ravel()) for bx, by in worker_rows(dataset, cluster)]
+    assert [list(bx) for bx, _ in batches] == [[4, 5, 6, 7], [12, 13, 14, 15]]
+    assert [list(by) for _, by in batches] == [[-4, -5, -6, -7], [-12, -13, -14, -15]]
+
+
+def test_hybrid_runs_on_one_host_unless_a_cluster_of_several_workers_is_described():
+    assert resolve_hybrid_cluster(environ={}) is None
+    one_worker = json.dumps(
+        {"cluster": {"worker": ["h:1"]}, "task": {"type": "worker", "index": 0}}
+    )
+    assert resolve_hybrid_cluster(environ={"TF_CONFIG": one_worker}) is None
+    cluster = resolve_hybrid_cluster(["h:1", "h:2"], task_index=1, environ={})
+    assert (cluster.num_workers, cluster.task_index) == (2, 1)

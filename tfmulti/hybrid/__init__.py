@@ -1,6 +1,6 @@
 """Hybrid parallelism: data-parallel copies of a pipelined model, on one host or many."""
 
-from tfmulti.hybrid.build import build_hybrid_model, local_device_names
+from tfmulti.hybrid.build import build_hybrid_model, local_device_names, resolve_hybrid_cluster
 from tfmulti.hybrid.hybrid_model import HybridPipelineModel
 from tfmulti.hybrid.worker_collectives import WorkerCollectives
 from tfmulti.hybrid.worker_input import worker_rows
@@ -10,5 +10,6 @@ __all__ = [
     "WorkerCollectives",
     "build_hybrid_model",
     "local_device_names",
+    "resolve_hybrid_cluster",
     "worker_rows",
 ]

@@ -2,17 +2,45 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 
 import keras
 import tensorflow as tf
 
-from tfmulti.cluster import ClusterInfo
+from tfmulti.cluster import ClusterInfo, resolve_cluster
 from tfmulti.devices import logical_device_names
 from tfmulti.hybrid.hybrid_model import HybridPipelineModel
 from tfmulti.hybrid.worker_collectives import WorkerCollectives
 from tfmulti.mesh import DeviceMesh, MeshError, parse_mesh
 from tfmulti.pipeline.runtime.partition import partition_blocks, stages_from_blocks
+
+
+def resolve_hybrid_cluster(
+    worker_hosts: Sequence[str] | None = None,
+    task_index: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ClusterInfo | None:
+    """The cluster a hybrid run spans, or None when it runs on this host alone.
+
+    A hybrid run spans workers when explicit hosts, `TF_CONFIG` or a SLURM step describe
+    more than one worker (see `tfmulti.cluster.resolve_cluster`).
+
+    Example:
+        >>> resolve_hybrid_cluster(environ={}) is None
+        True
+    """
+    environ = os.environ if environ is None else environ
+    described = (
+        worker_hosts
+        or task_index is not None
+        or environ.get("TF_CONFIG")
+        or ("SLURM_PROCID" in environ and "SLURM_STEP_NODELIST" in environ)
+    )
+    if not described:
+        return None
+    cluster = resolve_cluster(worker_hosts, task_index, environ)
+    return cluster if cluster.num_workers > 1 else None
 
 
 def local_device_names(cluster: ClusterInfo | None = None) -> list[str]:
