@@ -90,6 +90,25 @@ def test_model_parallel_script_trains_like_one_device(tmp_path, one_device_metri
     _assert_same_training(_metrics(model_dir), one_device_metrics)
 
 
+@pytest.mark.parametrize("placement", ["params", "time"])
+def test_placed_model_parallel_script_trains_like_one_device(
+    tmp_path, one_device_metrics, placement
+):
+    model_dir = str(tmp_path / "run")
+    result = run_script(
+        "train.py",
+        *TWO_EPOCHS,
+        "--strategy=model_parallel",
+        f"--placement={placement}",
+        "--virtual_devices=3",
+        "--num_stages=3",
+        f"--model_dir={model_dir}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "/device:CPU:2" in result.stderr
+    _assert_same_training(_metrics(model_dir), one_device_metrics)
+
+
 def test_batch_not_divisible_by_microbatches_is_one_line(tmp_path):
     result = run_script(
         "train.py",

@@ -50,6 +50,7 @@ class TrainConfig:
     partition: str = "uniform"
     remat: bool = False
     trace_steps: tuple[int, int] | None = None
+    placement: str | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

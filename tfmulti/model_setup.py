@@ -10,6 +10,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 from models import registry
 from tfmulti.cluster import ClusterInfo, build_multi_worker_strategy
@@ -70,10 +71,40 @@ def build_compiled_model(
             )
             compile_model(model, config)
         return model
-    model = build_staged_model(config, info, sample_x)
+    if config.strategy == "model_parallel" and config.placement:
+        model = build_placed_model(config, info, sample_x)
+    else:
+        model = build_staged_model(config, info, sample_x)
     compile_model(model, config)
     model(sample_x)
     return model
+
+
+def build_placed_model(config: TrainConfig, info: DataInfo, sample_x: np.ndarray) -> keras.Model:
+    """Places each layer of the reference model on a device, by `config.placement`."""
+    from tfmulti.parallel import place_reference_model
+
+    model = registry.build_model(
+        config.model, info.input_shape, info.num_classes, config.seed, **config.model_options
+    )
+    placed, _ = place_reference_model(
+        model,
+        _stage_devices(config.num_stages),
+        config.placement,
+        sample_input=sample_x,
+        print_fn=logging.info,
+    )
+    return placed
+
+
+def _stage_devices(num_stages: int) -> list[str]:
+    devices = logical_device_names()
+    if num_stages > len(devices):
+        raise ValueError(
+            f"--num_stages={num_stages} needs {num_stages} devices but "
+            f"{len(devices)} exist; lower --num_stages or raise --virtual_devices."
+        )
+    return devices[:num_stages]
 
 
 def build_staged_model(config: TrainConfig, info: DataInfo, sample_x: np.ndarray) -> keras.Model:
@@ -84,12 +115,7 @@ def build_staged_model(config: TrainConfig, info: DataInfo, sample_x: np.ndarray
     num_microbatches = config.microbatches if pipelined else 1
     schedule = config.schedule if pipelined else "model_parallel"
     chunks = config.chunks if pipelined else 1
-    devices = logical_device_names()
-    if config.num_stages > len(devices):
-        raise ValueError(
-            f"--num_stages={config.num_stages} needs {config.num_stages} devices but "
-            f"{len(devices)} exist; lower --num_stages or raise --virtual_devices."
-        )
+    devices = _stage_devices(config.num_stages)
     if config.batch_size % num_microbatches:
         raise ValueError(
             f"The global batch must split into {num_microbatches} equal micro-batches. "
@@ -114,7 +140,7 @@ def build_staged_model(config: TrainConfig, info: DataInfo, sample_x: np.ndarray
     )
     return PipelineModel(
         stages_from_blocks(blocks, partition.boundaries),
-        devices[: config.num_stages],
+        devices,
         num_microbatches,
         schedule,
         remat=config.remat,

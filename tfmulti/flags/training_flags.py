@@ -13,6 +13,7 @@ from tfmulti.names import ALL_REDUCE_NAMES, DATASET_NAMES, MODEL_NAMES, TRAIN_ST
 from tfmulti.pipeline.schedules import SCHEDULE_NAMES
 
 FLAGS = flags.FLAGS
+PLACEMENT_POLICIES = ("auto", "params", "time", "memory")
 
 
 def _parses_as_step_range(text: str | None) -> bool:
@@ -151,6 +152,27 @@ def define_pipeline_flags() -> None:
     )
     flags.DEFINE_boolean("remat", False, "Recompute each stage's forward in its backward.")
     flags.DEFINE_string(
+        "placement",
+        None,
+        "With --strategy=model_parallel: put each layer of the model on a device by "
+        "auto|params|time|memory balancing, or by a JSON file "
+        '{"layer name or regex": device index or name}.',
+    )
+    flags.register_multi_flags_validator(
+        ["placement", "strategy"],
+        lambda values: (
+            values["placement"] is None
+            or (
+                values["strategy"] == "model_parallel"
+                and (
+                    values["placement"] in PLACEMENT_POLICIES or os.path.isfile(values["placement"])
+                )
+            )
+        ),
+        message="--placement goes with --strategy=model_parallel and is auto, params, time, "
+        "memory or an existing JSON file",
+    )
+    flags.DEFINE_string(
         "trace_steps", None, "Record the measured pipeline timeline of steps FIRST,LAST."
     )
     flags.register_validator(
@@ -251,4 +273,5 @@ def config_from_flags() -> TrainConfig:
         partition=FLAGS.partition,
         remat=FLAGS.remat,
         trace_steps=parse_step_range(FLAGS.trace_steps) if FLAGS.trace_steps else None,
+        placement=FLAGS.placement,
     )

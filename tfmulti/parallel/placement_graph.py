@@ -17,7 +17,7 @@ import tensorflow as tf
 from tfmulti.pipeline.balance import Block
 
 # Reused so placement and pipeline partitions time blocks the same way.
-from tfmulti.pipeline.runtime.partition import _time_block
+from tfmulti.pipeline.runtime.partition import time_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +137,7 @@ def unit_blocks(
             recorded = calls.get(unit.name, [])
             forward_time, backward_time = 1.0, 2.0
             if time_units and recorded:
-                times = [_time_block(call, call.tensors) for call in recorded]
+                times = [time_block(call, call.tensors) for call in recorded]
                 forward_time = sum(time[0] for time in times)
                 backward_time = sum(time[1] for time in times)
             activation_bytes = sum(
@@ -165,7 +165,7 @@ def _block(unit, forward_time, backward_time, activation_bytes=0.0):
 
 
 class _RecordedCall:
-    """One call of an operation with the arguments it got, callable the way `_time_block` calls."""
+    """One call of an operation with the arguments it got, callable the way `time_block` calls."""
 
     def __init__(self, operation, args, kwargs):
         self.operation = operation

@@ -118,7 +118,7 @@ def measure_blocks(
         outputs = copy(inputs, training=True)
         forward_time = backward_time = 1.0
         if time_blocks:
-            forward_time, backward_time = _time_block(copy, inputs)
+            forward_time, backward_time = time_block(copy, inputs)
         costs.append(
             Block(
                 forward_time=forward_time,
@@ -145,7 +145,8 @@ def _fresh_copy(block: keras.layers.Layer) -> keras.layers.Layer:
         ) from error
 
 
-def _time_block(block: keras.layers.Layer, inputs) -> tuple[float, float]:
+def time_block(block: keras.layers.Layer, inputs) -> tuple[float, float]:
+    """Returns the median (forward, backward) seconds of `block` on `inputs`, traced."""
     differentiable = [t for t in tf.nest.flatten(inputs) if t.dtype.is_floating]
 
     @tf.function
