@@ -147,6 +147,33 @@ def test_fit_with_sample_weights_matches_one_device_fit():
     )
 
 
+def _batch_norm_stages():
+    return [
+        keras.Sequential(
+            [
+                keras.layers.Dense(8, kernel_initializer=keras.initializers.GlorotUniform(5)),
+                keras.layers.BatchNormalization(),
+            ]
+        ),
+        keras.layers.Dense(2, kernel_initializer=keras.initializers.GlorotUniform(6)),
+    ]
+
+
+def test_batch_norm_moving_mean_is_averaged_over_replicas_so_copies_stay_identical():
+    # One step with one micro-batch: the mean of the replicas' batch means is the global
+    # batch mean, so the moving mean equals one-device training's.
+    reference, hybrid, _, _, _ = _train_both(
+        _batch_norm_stages, "data=2,pipe=2", 1, "1f1b", "sgd", regression_batches(1, 16)
+    )
+    _assert_replicas_identical(hybrid)
+    norm = hybrid.replicas[0].stages[0].layers[1]
+    reference_norm = reference.chained[0].layers[1]
+    assert np.abs(norm.moving_mean.numpy()).max() > 1e-4
+    np.testing.assert_allclose(
+        norm.moving_mean.numpy(), reference_norm.moving_mean.numpy(), rtol=1e-5, atol=1e-7
+    )
+
+
 def test_predict_and_evaluate_split_the_batch_over_replicas_like_one_model():
     x, y = regression_batches(1, GLOBAL_BATCH)[0]
     reference = Chain(dense_stages(2))

@@ -29,8 +29,9 @@ class HybridPipelineModel(keras.Model):
     its part in `num_microbatches` micro-batches; each variable's gradient is averaged over
     the replicas (on replica 0's device for it, then over workers with
     `worker_collectives`), and every copy applies the same update, so copies stay equal
-    and the step equals one-device training on the whole batch. Each copy keeps its own
-    optimizer slots on its own devices. `evaluate` and `predict` split the batch over the
+    and the step equals one-device training on the whole batch. Float non-trainable state
+    (BatchNorm statistics) is averaged over the replicas after each step. Each copy keeps
+    its own optimizer slots on its own devices. `evaluate` and `predict` split the batch over the
     local replicas.
 
     Args:
@@ -144,6 +145,7 @@ class HybridPipelineModel(keras.Model):
             for replica in self.replicas
             for gradient, variable in zip(gradients, replica.trainable_variables, strict=True)
         )
+        self._average_state()
         y_pred = concat_microbatches([concat_microbatches(r.outputs) for r in results])
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
@@ -214,15 +216,43 @@ class HybridPipelineModel(keras.Model):
             averaged, devices, keys=range(first_key, first_key + len(averaged))
         )
 
+    def _average_state(self) -> None:
+        """Replaces each float non-trainable variable (e.g. BatchNorm's moving statistics),
+        which each replica updated from its own rows, by its mean over all data replicas,
+        so the copies stay identical."""
+        state = [
+            [v for v in replica.non_trainable_variables if keras.backend.is_float_dtype(v.dtype)]
+            for replica in self.replicas
+        ]
+        if not state[0]:
+            return
+        devices = [v.value.device for v in state[0]]
+        means = []
+        for device, copies in zip(devices, zip(*state, strict=True), strict=True):
+            with tf.device(device):
+                means.append(tf.add_n([v.value for v in copies]) / self.num_data_replicas)
+        if self.worker_collectives is not None:
+            first_key = self._loss_key() + 1
+            means = self.worker_collectives.sum(
+                means, devices, keys=range(first_key, first_key + len(means))
+            )
+        for copies, mean in zip(zip(*state, strict=True), means, strict=True):
+            for variable in copies:
+                variable.assign(mean)
+
+    def _loss_key(self) -> int:
+        """The cross-worker instance key of the loss: after the keys of the initial weights
+        (1 to W) and of the gradients (W + 1 to W + T)."""
+        return len(self.replicas[0].weights) + len(self.replicas[0].trainable_variables) + 1
+
     def _averaged_loss(self, results) -> tf.Tensor:
         """The mean loss over every micro-batch of every data replica."""
         losses = [loss for result in results for loss in result.losses]
         loss = tf.add_n(losses) / (self.num_microbatches * self.num_data_replicas)
         if self.worker_collectives is None:
             return loss
-        key = len(self.replicas[0].weights) + len(self.replicas[0].trainable_variables) + 1
         device = self.replicas[0].stage_devices[-1]
-        return self.worker_collectives.sum([loss], [device], keys=[key])[0]
+        return self.worker_collectives.sum([loss], [device], keys=[self._loss_key()])[0]
 
 
 def _scaled(gradient, scale: float):
