@@ -246,3 +246,10 @@ def test_more_shards_than_devices_is_a_clear_error():
 def test_unknown_device_is_a_clear_error():
     with pytest.raises(ValueError, match="Unknown devices \\['/device:CPU:99'\\]"):
         ColumnParallelDense(4, ["/device:CPU:0", "/device:CPU:99"])
+
+
+@pytest.mark.parametrize("kind", ["column", "row", "mlp", "attention", "embedding"])
+def test_split_layer_rebuilt_from_its_config_has_the_same_config(kind):
+    _, split, _ = _split_copy(kind, resolve_shard_devices(2))
+    rebuilt = type(split).from_config(split.get_config())
+    assert rebuilt.get_config() == split.get_config()
