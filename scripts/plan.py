@@ -37,7 +37,12 @@ from tfmulti.planner.report import (  # noqa: E402
     layout_json,
     layout_row,
 )
-from tfmulti.planner.validation import distinct_layouts, measure_layouts  # noqa: E402
+from tfmulti.planner.train_flags import train_flags  # noqa: E402
+from tfmulti.planner.validation import (  # noqa: E402
+    accepts_flags,
+    distinct_layouts,
+    measure_layouts,
+)
 
 FLAGS = flags.FLAGS
 _BYTE_UNITS = {
@@ -92,8 +97,11 @@ flags.DEFINE_integer(
     "and print predicted against measured step time.",
     lower_bound=0,
 )
+flags.DEFINE_integer("validate_repeats", 2, "Runs of each layout; the fastest counts.", 1)
 flags.DEFINE_integer("validate_steps", 20, "Training steps per epoch in --validate.", 1)
-flags.DEFINE_integer("validate_epochs", 3, "Epochs per --validate run; the last is timed.", 2)
+flags.DEFINE_integer(
+    "validate_epochs", 3, "Epochs per --validate run; all after the first are timed.", 2
+)
 flags.DEFINE_string("validate_dir", None, "Where --validate runs write (default: a temp dir).")
 
 
@@ -122,6 +130,21 @@ def _model_costs():
     if FLAGS.save_costs:
         save_costs(costs, FLAGS.save_costs)
     return costs
+
+
+def _layouts_to_validate(layouts, costs):
+    """The best --validate layouts of different kinds that train.py runs, and the best
+    one-device layout as the baseline when fewer devices are allowed."""
+    runnable = [
+        layout
+        for layout in distinct_layouts(layouts, len(layouts))
+        if accepts_flags(train_flags(layout, costs, FLAGS.global_batch))
+    ]
+    chosen = runnable[: FLAGS.validate]
+    baseline = next((layout for layout in runnable if layout.mesh.num_devices == 1), None)
+    if baseline is not None and baseline not in chosen:
+        chosen.append(baseline)
+    return chosen
 
 
 def _validation_table(measurements) -> str:
@@ -173,12 +196,13 @@ def main(argv):
     if FLAGS.validate:
         work_dir = FLAGS.validate_dir or tempfile.mkdtemp(prefix="plan_validate_")
         measurements = measure_layouts(
-            distinct_layouts(layouts, FLAGS.validate),
+            _layouts_to_validate(layouts, costs),
             costs,
             FLAGS.global_batch,
             work_dir,
             epochs=FLAGS.validate_epochs,
             steps_per_epoch=FLAGS.validate_steps,
+            repeats=FLAGS.validate_repeats,
         )
     if FLAGS.json:
         output = {
@@ -207,7 +231,10 @@ def main(argv):
     )
     print(format_layouts(best, costs, FLAGS.global_batch))
     if measurements:
-        print("\nPredicted against measured step time (scripts/train.py, last epoch):\n")
+        print(
+            "\nPredicted against measured step time "
+            "(scripts/train.py, fastest epoch after the first):\n"
+        )
         print(_validation_table(measurements))
 
 

@@ -1,8 +1,8 @@
 """Checking predictions against reality: running layouts with `scripts/train.py`.
 
 Pure Python (subprocesses). Each layout trains for a few short epochs; its measured step
-time is the last epoch's `step_time_ms` in `metrics.json` (earlier epochs include
-tracing).
+time is the fastest `step_time_ms` in `metrics.json` after the first epoch (which
+includes tracing): other processes on a shared machine only ever slow an epoch down.
 """
 
 from __future__ import annotations
@@ -32,13 +32,15 @@ class Measurement:
     Args:
         layout: the layout run.
         flags: the `scripts/train.py` flags it ran with.
-        measured_step_time: seconds per step of the last epoch, or None if the run failed.
-        error: the run's last line of output when it failed, else None.
+        measured_step_time: the fastest of the samples, or None if a run failed.
+        samples: each run's fastest seconds per step after its first epoch.
+        error: the failed run's last line of output, else None.
     """
 
     layout: Layout
     flags: tuple[str, ...]
     measured_step_time: float | None
+    samples: tuple[float, ...] = ()
     error: str | None = None
 
 
@@ -51,6 +53,17 @@ def distinct_layouts(layouts: Sequence[Layout], count: int) -> list[Layout]:
             seen.add(kind)
             chosen.append(layout)
     return chosen[:count]
+
+
+def accepts_flags(flags: Sequence[str]) -> bool:
+    """Whether `scripts/train.py` parses `flags` (some layouts need flags it may not have)."""
+    run = subprocess.run(
+        [sys.executable, TRAIN_SCRIPT, *flags, "--only_check_args"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return run.returncode == 0
 
 
 def training_run_flags(epochs: int, steps_per_epoch: int, model_dir: str) -> list[str]:
@@ -72,44 +85,70 @@ def measure_layouts(
     *,
     epochs: int = 3,
     steps_per_epoch: int = 20,
+    repeats: int = 2,
     timeout: float = 900,
 ) -> list[Measurement]:
-    """Trains each layout with `scripts/train.py` in turn and reads its step time.
+    """Trains each layout with `scripts/train.py` and reads its step time.
+
+    The layouts run in turn, `repeats` rounds over all of them, so a burst of load from
+    other processes hits every layout alike; the fastest round counts.
 
     Args:
         layouts: layouts to run, e.g. `distinct_layouts(search_layouts(...), 4)`.
         costs: the model's costs (model, options, dataset).
         global_batch: examples per step over all replicas.
-        work_dir: each run writes into `work_dir/layout_<rank>`.
-        epochs: epochs per run; the last one is timed.
+        work_dir: each run writes into `work_dir/layout_<rank>_<round>`.
+        epochs: epochs per run (>= 2); all but the first are timed.
         steps_per_epoch: training steps per epoch.
+        repeats: runs of each layout.
         timeout: seconds before a run counts as failed.
     """
-    measurements = []
-    for rank, layout in enumerate(layouts, 1):
-        flags = train_flags(layout, costs, global_batch)
-        model_dir = os.path.join(work_dir, f"layout_{rank}")
-        command = [
-            sys.executable,
-            TRAIN_SCRIPT,
-            *flags,
-            *training_run_flags(epochs, steps_per_epoch, model_dir),
-        ]
-        environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-        try:
-            run = subprocess.run(
-                command, capture_output=True, text=True, timeout=timeout, env=environment
-            )
-        except subprocess.TimeoutExpired:
-            measurements.append(Measurement(layout, tuple(flags), None, f"timed out ({timeout}s)"))
-            continue
-        if run.returncode != 0:
-            lines = [line for line in run.stderr.splitlines() if line.strip()] or ["no output"]
-            measurements.append(Measurement(layout, tuple(flags), None, lines[-1]))
-            continue
-        with open(os.path.join(model_dir, "metrics.json")) as file:
-            last_epoch = json.load(file)["epochs"][-1]
-        measurements.append(
-            Measurement(layout, tuple(flags), last_epoch["step_time_ms"] / 1000.0, None)
+    if epochs < 2:
+        raise ValueError(
+            f"The first epoch includes tracing, so timing needs epochs >= 2. Received: {epochs}"
         )
-    return measurements
+    samples = {rank: [] for rank in range(len(layouts))}
+    errors = {}
+    for round_index in range(repeats):
+        for rank, layout in enumerate(layouts):
+            if rank in errors:
+                continue
+            model_dir = os.path.join(work_dir, f"layout_{rank + 1}_{round_index + 1}")
+            step_time, error = _run_layout(
+                train_flags(layout, costs, global_batch),
+                training_run_flags(epochs, steps_per_epoch, model_dir),
+                model_dir,
+                timeout,
+            )
+            if error is not None:
+                errors[rank] = error
+            else:
+                samples[rank].append(step_time)
+    return [
+        Measurement(
+            layout,
+            tuple(train_flags(layout, costs, global_batch)),
+            min(samples[rank]) if rank not in errors else None,
+            tuple(samples[rank]),
+            errors.get(rank),
+        )
+        for rank, layout in enumerate(layouts)
+    ]
+
+
+def _run_layout(flags, run_flags, model_dir, timeout) -> tuple[float | None, str | None]:
+    """(fastest seconds per step after the first epoch, None), or (None, why it failed)."""
+    command = [sys.executable, TRAIN_SCRIPT, *flags, *run_flags]
+    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    try:
+        run = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, env=environment
+        )
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout}s"
+    if run.returncode != 0:
+        lines = [line for line in run.stderr.splitlines() if line.strip()] or ["no output"]
+        return None, lines[-1]
+    with open(os.path.join(model_dir, "metrics.json")) as file:
+        epochs = json.load(file)["epochs"][1:]
+    return min(epoch["step_time_ms"] for epoch in epochs) / 1000.0, None
