@@ -20,6 +20,12 @@ setup(
     ],
     extras_require={
         "gpu": ["tensorflow[and-cuda]>=2.20,<2.22"],
-        "dev": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff>=0.6"],
+        "dev": [
+            "pytest>=8",
+            "pytest-xdist>=3.5",
+            "pytest-timeout>=2.3",
+            "hypothesis>=6.100",
+            "ruff>=0.6",
+        ],
     },
 )
