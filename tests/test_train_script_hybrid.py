@@ -1,0 +1,80 @@
+"""`scripts/train.py --strategy=hybrid --mesh=data=2,pipe=2` trains like one device, on one host
+and across two local workers launched by `scripts/launch.py`."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from script_runner import last_line, run_script
+from test_train_script_parallel import (  # noqa: F401 (one_device_metrics is a fixture)
+    TWO_EPOCHS,
+    _assert_same_training,
+    _launch,
+    _metrics,
+    one_device_metrics,
+)
+
+from tfmulti.names import TRAIN_STRATEGY_NAMES
+
+if "hybrid" not in TRAIN_STRATEGY_NAMES:
+    pytest.skip("train.py has no --strategy=hybrid yet", allow_module_level=True)
+
+
+def test_hybrid_script_on_one_host_trains_like_one_device(tmp_path, one_device_metrics):  # noqa: F811
+    model_dir = str(tmp_path / "run")
+    result = run_script(
+        "train.py",
+        *TWO_EPOCHS,
+        "--strategy=hybrid",
+        "--mesh=data=2,pipe=2",
+        "--virtual_devices=4",
+        "--microbatches=2",
+        "--schedule=1f1b",
+        f"--model_dir={model_dir}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = _metrics(model_dir)
+    assert metrics["run"]["num_replicas"] == 2
+    _assert_same_training(metrics, one_device_metrics)
+
+
+def test_hybrid_script_across_two_workers_trains_like_one_device_with_chief_only_outputs(
+    tmp_path,
+    one_device_metrics,  # noqa: F811
+):
+    model_dir = str(tmp_path / "run")
+    launcher = _launch(
+        "--num_workers=2",
+        "--devices_per_worker=2",
+        "--",
+        sys.executable,
+        "scripts/train.py",
+        *TWO_EPOCHS,
+        "--strategy=hybrid",
+        "--mesh=data=2,pipe=2",
+        "--microbatches=2",
+        "--schedule=zb_h1",
+        "--collective_timeout=60",
+        f"--model_dir={model_dir}",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    output, _ = launcher.communicate(timeout=240)
+    assert launcher.returncode == 0, output[-3000:]
+    _assert_same_training(_metrics(model_dir), one_device_metrics)
+    assert sorted(os.listdir(model_dir)) == ["backup", "checkpoints", "logs", "metrics.json"]
+
+
+def test_mesh_that_does_not_fit_the_devices_is_one_line(tmp_path):
+    result = run_script(
+        "train.py",
+        *TWO_EPOCHS,
+        "--strategy=hybrid",
+        "--mesh=data=2,pipe=3",
+        "--virtual_devices=4",
+        f"--model_dir={tmp_path / 'run'}",
+    )
+    assert result.returncode == 1
+    assert "needs data x pipe x tensor = 6 devices" in last_line(result.stderr)
+    assert "Traceback" not in result.stderr
