@@ -78,6 +78,12 @@ flags.DEFINE_float(
     "Bytes of parameter state per parameter: 16 = float32 weight, gradient, Adam m and v.",
     lower_bound=0.0,
 )
+flags.DEFINE_bool(
+    "shared_compute",
+    False,
+    "The devices share one processor (logical devices from --virtual_devices): their work "
+    "does not overlap.",
+)
 flags.DEFINE_string("costs", None, "Read block costs from this JSON cost file; no measuring.")
 flags.DEFINE_string("save_costs", None, "Write the measured block costs to this JSON file.")
 flags.DEFINE_list(
@@ -172,6 +178,7 @@ def main(argv):
     hardware = Hardware(
         bandwidth=FLAGS.bandwidth,
         bytes_per_param=FLAGS.bytes_per_param,
+        shared_compute=FLAGS.shared_compute,
         memory_per_device=_parse_bytes(FLAGS.memory_per_device)
         if FLAGS.memory_per_device
         else None,

@@ -288,3 +288,16 @@ def test_top_pipeline_layout_flags_train_with_train_py(tmp_path):
         record = json.load(file)
     assert record["status"] == "completed"
     assert record["run"]["schedule"] == top_pipeline.schedule
+
+
+def test_shared_compute_makes_a_step_at_least_every_devices_work_added_up():
+    costs = _costs(num_blocks=4, tensor_sizes=(1,))
+    blocks = blocks_at(costs, 8, 1, HARDWARE)
+    whole_batch_work = sum(b.forward_time + b.backward_time for b in blocks)
+    shared = Hardware(bandwidth=HARDWARE.bandwidth, shared_compute=True)
+    mirrored = score_layout(blocks, Mesh(data=2), None, 1, 1, (), shared)
+    pipelined = score_layout(blocks, Mesh(pipe=2), "1f1b", 4, 1, (2,), shared)
+    assert mirrored.pipeline_time == pytest.approx(2 * whole_batch_work)
+    assert pipelined.pipeline_time == pytest.approx(4 * whole_batch_work)
+    independent = score_layout(blocks, Mesh(pipe=2), "1f1b", 4, 1, (2,), HARDWARE)
+    assert independent.pipeline_time < pipelined.pipeline_time

@@ -173,11 +173,15 @@ class Hardware:
         bytes_per_param: parameter-state bytes per parameter on its device: weight,
             gradient and optimizer slots (16 for float32 Adam: weight, gradient, m, v).
         memory_per_device: bytes a device may hold, or None for no limit.
+        shared_compute: the devices share one processor (logical devices of one CPU or
+            GPU), so their work does not overlap: a step takes at least the busy time of
+            all devices together.
     """
 
     bandwidth: float = 10e9
     bytes_per_param: float = 16.0
     memory_per_device: float | None = None
+    shared_compute: bool = False
 
     def __post_init__(self):
         if self.bandwidth <= 0:

@@ -3,7 +3,9 @@
 Pure Python. A layout runs the per-replica batch through a pipeline of `pipe` devices (one
 device when pipe = 1), each device possibly one of a tensor group, and `data` replicas of
 that. Its step time is the simulated pipeline makespan plus the data-parallel all-reduce
-of each device's gradients (all devices reduce at once, each over its own link). Peak
+of each device's gradients (all devices reduce at once, each over its own link). When
+the devices share one processor, the pipeline part is at least the busy time of every
+device of the mesh added up. Peak
 memory per device is the parameter state of its stages plus its peak live activation
 bytes from the simulator.
 """
@@ -49,7 +51,8 @@ class Layout:
         chunks: model chunks per pipeline device (v).
         boundaries: first block of each stage after the first (pipe x chunks stages).
         step_time: predicted seconds per training step.
-        pipeline_time: the simulated makespan of the per-replica batch.
+        pipeline_time: the simulated makespan of the per-replica batch (with shared
+            compute, at least every device's busy time added up).
         allreduce_time: the data-parallel gradient all-reduce.
         bubble_fraction: idle share of the pipeline devices' time.
         peak_memory: bytes on the fullest device.
@@ -140,14 +143,17 @@ def score_layout(
     peak_memory = max(
         held + live for held, live in zip(device_memory, result.peak_activation_bytes, strict=True)
     )
+    pipeline_time = result.makespan
+    if hardware.shared_compute:
+        pipeline_time = max(pipeline_time, sum(result.busy_time) * mesh.data * mesh.tensor)
     return Layout(
         mesh=mesh,
         schedule=schedule if mesh.pipe > 1 else None,
         num_microbatches=num_microbatches,
         chunks=chunks,
         boundaries=tuple(boundaries),
-        step_time=result.makespan + allreduce_time,
-        pipeline_time=result.makespan,
+        step_time=pipeline_time + allreduce_time,
+        pipeline_time=pipeline_time,
         allreduce_time=allreduce_time,
         bubble_fraction=result.bubble_fraction,
         peak_memory=peak_memory,
