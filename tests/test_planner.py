@@ -6,13 +6,13 @@ import json
 import pytest
 from script_runner import last_line, run_script
 
+from tfmulti.mesh import DeviceMesh
 from tfmulti.names import TRAIN_STRATEGY_NAMES
 from tfmulti.pipeline import SCHEDULE_NAMES, CostModel, StageCost, build_schedule, simulate
 from tfmulti.planner import (
     AffineTime,
     BlockCost,
     Hardware,
-    Mesh,
     ModelCosts,
     blocks_at,
     load_costs,
@@ -91,7 +91,7 @@ def _exhaustive_step_times(costs, num_devices, hardware):
                     held[device] += sum(b.param_bytes for b in stage)
                 allreduce = 2 * (data - 1) / data * 4 * max(params) / hardware.bandwidth
                 memory = max(h + a for h, a in zip(held, result.peak_activation_bytes, strict=True))
-                key = (Mesh(data, pipe, tensor), schedule, m, chunks, cuts)
+                key = (DeviceMesh(data, pipe, tensor), schedule, m, chunks, cuts)
                 outcomes[key] = (result.makespan + allreduce, memory)
     return outcomes
 
@@ -131,7 +131,7 @@ def test_memory_cap_below_every_layout_leaves_none():
 def test_step_time_is_pipeline_makespan_plus_ring_allreduce_of_the_gradients():
     costs = _costs(num_blocks=4, tensor_sizes=(1,))
     blocks = blocks_at(costs, 4, 1, HARDWARE)
-    layout = score_layout(blocks, Mesh(data=2, pipe=2), "1f1b", 2, 1, (2,), HARDWARE)
+    layout = score_layout(blocks, DeviceMesh(data=2, pipe=2), "1f1b", 2, 1, (2,), HARDWARE)
     gradient_bytes = 4 * max(
         blocks[0].params + blocks[1].params, blocks[2].params + blocks[3].params
     )
@@ -271,7 +271,7 @@ def test_plan_script_with_no_fitting_layout_says_what_to_change(tmp_path):
 def test_top_pipeline_layout_flags_train_with_train_py(tmp_path):
     costs = _costs(num_blocks=4, tensor_sizes=(1,))
     layouts = search_layouts(costs, 2, GLOBAL_BATCH, HARDWARE)
-    top_pipeline = next(layout for layout in layouts if layout.mesh == Mesh(pipe=2))
+    top_pipeline = next(layout for layout in layouts if layout.mesh == DeviceMesh(pipe=2))
     flags = train_flags(top_pipeline, costs, GLOBAL_BATCH)
     assert flags[0] == "--strategy=pipeline"
     result = run_script(
@@ -295,9 +295,9 @@ def test_shared_compute_makes_a_step_at_least_every_devices_work_added_up():
     blocks = blocks_at(costs, 8, 1, HARDWARE)
     whole_batch_work = sum(b.forward_time + b.backward_time for b in blocks)
     shared = Hardware(bandwidth=HARDWARE.bandwidth, shared_compute=True)
-    mirrored = score_layout(blocks, Mesh(data=2), None, 1, 1, (), shared)
-    pipelined = score_layout(blocks, Mesh(pipe=2), "1f1b", 4, 1, (2,), shared)
+    mirrored = score_layout(blocks, DeviceMesh(data=2), None, 1, 1, (), shared)
+    pipelined = score_layout(blocks, DeviceMesh(pipe=2), "1f1b", 4, 1, (2,), shared)
     assert mirrored.pipeline_time == pytest.approx(2 * whole_batch_work)
     assert pipelined.pipeline_time == pytest.approx(4 * whole_batch_work)
-    independent = score_layout(blocks, Mesh(pipe=2), "1f1b", 4, 1, (2,), HARDWARE)
+    independent = score_layout(blocks, DeviceMesh(pipe=2), "1f1b", 4, 1, (2,), HARDWARE)
     assert independent.pipeline_time < pipelined.pipeline_time

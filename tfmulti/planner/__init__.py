@@ -13,7 +13,7 @@ from tfmulti.planner.costs import (
     ring_allreduce_seconds,
     save_costs,
 )
-from tfmulti.planner.scoring import Layout, Mesh, score_layout
+from tfmulti.planner.scoring import Layout, score_layout
 from tfmulti.planner.search import meshes, search_layouts
 
 __all__ = [
@@ -21,7 +21,6 @@ __all__ = [
     "BlockCost",
     "Hardware",
     "Layout",
-    "Mesh",
     "ModelCosts",
     "blocks_at",
     "load_costs",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from tfmulti.mesh import DeviceMesh
 from tfmulti.pipeline.balance import Block
 from tfmulti.pipeline.schedules import build_schedule
 from tfmulti.pipeline.simulate import CostModel, StageCost, simulate
@@ -22,22 +23,6 @@ from tfmulti.planner.costs import GRADIENT_BYTES_PER_PARAM, Hardware, ring_allre
 
 # The schedule a one-device "pipeline" runs: one forward, one backward.
 NO_PIPELINE = "gpipe"
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class Mesh:
-    """How devices are arranged: data replicas x pipeline stages x tensor-group size."""
-
-    data: int = 1
-    pipe: int = 1
-    tensor: int = 1
-
-    @property
-    def num_devices(self) -> int:
-        return self.data * self.pipe * self.tensor
-
-    def __str__(self) -> str:
-        return f"data={self.data},pipe={self.pipe},tensor={self.tensor}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +43,7 @@ class Layout:
         peak_memory: bytes on the fullest device.
     """
 
-    mesh: Mesh
+    mesh: DeviceMesh
     schedule: str | None
     num_microbatches: int
     chunks: int
@@ -77,7 +62,7 @@ class Layout:
 
 def score_layout(
     blocks: Sequence[Block],
-    mesh: Mesh,
+    mesh: DeviceMesh,
     schedule: str | None,
     num_microbatches: int,
     chunks: int,
@@ -101,7 +86,7 @@ def score_layout(
 
     Example:
         >>> blocks = [Block(1, 2, params=10), Block(1, 2, params=10)]
-        >>> score_layout(blocks, Mesh(pipe=2), "1f1b", 4, 1, (1,), Hardware()).pipeline_time
+        >>> score_layout(blocks, DeviceMesh(pipe=2), "1f1b", 4, 1, (1,), Hardware()).pipeline_time
         15.0
     """
     num_stages = mesh.pipe * chunks

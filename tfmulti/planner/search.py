@@ -14,10 +14,11 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 
+from tfmulti.mesh import DeviceMesh
 from tfmulti.pipeline.balance import Block, balance
 from tfmulti.pipeline.schedules import SCHEDULE_NAMES, build_schedule
 from tfmulti.planner.costs import Hardware, ModelCosts, blocks_at
-from tfmulti.planner.scoring import Layout, Mesh, score_layout
+from tfmulti.planner.scoring import Layout, score_layout
 
 # Up to this many contiguous splits per pipeline shape, all are simulated (exact optimum);
 # beyond it, only the balancer's.
@@ -27,7 +28,7 @@ INTERLEAVED = "interleaved_1f1b"
 
 def meshes(
     num_devices: int, tensor_sizes: Sequence[int] = (1,), allow_fewer_devices: bool = False
-) -> list[Mesh]:
+) -> list[DeviceMesh]:
     """Every data x pipe x tensor arrangement of `num_devices` (or of fewer, if allowed).
 
     Example:
@@ -43,7 +44,7 @@ def meshes(
             continue
         for tensor in sorted(size for size in set(tensor_sizes) if count % size == 0):
             for data in _divisors(count // tensor):
-                found.append(Mesh(data=data, pipe=count // tensor // data, tensor=tensor))
+                found.append(DeviceMesh(data=data, pipe=count // tensor // data, tensor=tensor))
     return sorted(found, key=lambda mesh: (mesh.num_devices, mesh.tensor, mesh.data))
 
 
@@ -119,7 +120,7 @@ def _pipeline_shapes(
 
 def _best_split(
     blocks: Sequence[Block],
-    mesh: Mesh,
+    mesh: DeviceMesh,
     schedule: str | None,
     num_microbatches: int,
     chunks: int,

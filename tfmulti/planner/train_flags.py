@@ -30,11 +30,10 @@ def train_flags(layout: Layout, costs: ModelCosts, global_batch: int) -> list[st
     if kinds == 0:
         flags = ["--strategy=one_device"]
     elif kinds > 1:
-        tensor = f",tensor={mesh.tensor}" if mesh.tensor > 1 else ""
         flags = [
             "--strategy=hybrid",
             f"--virtual_devices={mesh.num_devices}",
-            f"--mesh=data={mesh.data},pipe={mesh.pipe}{tensor}",
+            f"--mesh={mesh}",
         ]
     elif mesh.data > 1:
         flags = ["--strategy=mirrored", f"--virtual_devices={mesh.data}"]
