@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -26,3 +27,42 @@ def last_line(text: str) -> str:
     """The last non-empty line of `text` (TensorFlow may log above it)."""
     lines = [line for line in text.splitlines() if line.strip()]
     return lines[-1] if lines else ""
+
+
+def launch(*args: str, **popen_options) -> subprocess.Popen:
+    """Starts `python scripts/launch.py args...` (text mode); the caller waits for it."""
+    command = [sys.executable, os.path.join(REPO_ROOT, "scripts", "launch.py"), *args]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return subprocess.Popen(command, cwd=REPO_ROOT, env=env, text=True, **popen_options)
+
+
+# A small run whose result any parallel strategy must reproduce exactly.
+COMMON = (
+    "--model=mlp",
+    "--dataset=digits",
+    "--batch_size=32",
+    "--steps_per_epoch=5",
+    "--validation_steps=4",
+    "--optimizer=sgd",
+    "--learning_rate=0.1",
+    "--log_steps=0",
+)
+TWO_EPOCHS = (*COMMON, "--epochs=2")
+
+
+def read_metrics(model_dir: str) -> dict:
+    """The run's `metrics.json`."""
+    with open(os.path.join(model_dir, "metrics.json")) as handle:
+        return json.load(handle)
+
+
+def assert_same_training(metrics: dict, reference: dict) -> None:
+    """Asserts two runs' records show the same losses and accuracy, epoch by epoch."""
+    import pytest
+
+    assert metrics["status"] == "completed"
+    assert [e["epoch"] for e in metrics["epochs"]] == [e["epoch"] for e in reference["epochs"]]
+    for epoch, expected in zip(metrics["epochs"], reference["epochs"], strict=True):
+        assert epoch["loss"] == pytest.approx(expected["loss"], rel=1e-4)
+    assert metrics["final"]["loss"] == pytest.approx(reference["final"]["loss"], rel=1e-4)
+    assert metrics["final"]["accuracy"] == pytest.approx(reference["final"]["accuracy"], abs=1e-6)

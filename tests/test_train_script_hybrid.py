@@ -5,23 +5,17 @@ import os
 import subprocess
 import sys
 
-import pytest
-from script_runner import last_line, run_script
-from test_train_script_parallel import (  # noqa: F401 (one_device_metrics is a fixture)
+from script_runner import (
     TWO_EPOCHS,
-    _assert_same_training,
-    _launch,
-    _metrics,
-    one_device_metrics,
+    assert_same_training,
+    last_line,
+    launch,
+    read_metrics,
+    run_script,
 )
 
-from tfmulti.names import TRAIN_STRATEGY_NAMES
 
-if "hybrid" not in TRAIN_STRATEGY_NAMES:
-    pytest.skip("train.py has no --strategy=hybrid yet", allow_module_level=True)
-
-
-def test_hybrid_script_on_one_host_trains_like_one_device(tmp_path, one_device_metrics):  # noqa: F811
+def test_hybrid_script_on_one_host_trains_like_one_device(tmp_path, one_device_metrics):
     model_dir = str(tmp_path / "run")
     result = run_script(
         "train.py",
@@ -34,17 +28,17 @@ def test_hybrid_script_on_one_host_trains_like_one_device(tmp_path, one_device_m
         f"--model_dir={model_dir}",
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    metrics = _metrics(model_dir)
+    metrics = read_metrics(model_dir)
     assert metrics["run"]["num_replicas"] == 2
-    _assert_same_training(metrics, one_device_metrics)
+    assert_same_training(metrics, one_device_metrics)
 
 
 def test_hybrid_script_across_two_workers_trains_like_one_device_with_chief_only_outputs(
     tmp_path,
-    one_device_metrics,  # noqa: F811
+    one_device_metrics,
 ):
     model_dir = str(tmp_path / "run")
-    launcher = _launch(
+    launcher = launch(
         "--num_workers=2",
         "--devices_per_worker=2",
         "--",
@@ -62,7 +56,7 @@ def test_hybrid_script_across_two_workers_trains_like_one_device_with_chief_only
     )
     output, _ = launcher.communicate(timeout=240)
     assert launcher.returncode == 0, output[-3000:]
-    _assert_same_training(_metrics(model_dir), one_device_metrics)
+    assert_same_training(read_metrics(model_dir), one_device_metrics)
     assert sorted(os.listdir(model_dir)) == ["backup", "checkpoints", "logs", "metrics.json"]
 
 

@@ -14,43 +14,14 @@ import sys
 import time
 
 import pytest
-from script_runner import REPO_ROOT, run_script
-
-COMMON = (
-    "--model=mlp",
-    "--dataset=digits",
-    "--batch_size=32",
-    "--steps_per_epoch=5",
-    "--validation_steps=4",
-    "--optimizer=sgd",
-    "--learning_rate=0.1",
-    "--log_steps=0",
+from script_runner import (
+    COMMON,
+    TWO_EPOCHS,
+    assert_same_training,
+    launch,
+    read_metrics,
+    run_script,
 )
-TWO_EPOCHS = (*COMMON, "--epochs=2")
-
-
-def _metrics(model_dir):
-    with open(os.path.join(model_dir, "metrics.json")) as handle:
-        return json.load(handle)
-
-
-def _assert_same_training(metrics, reference):
-    assert metrics["status"] == "completed"
-    assert [e["epoch"] for e in metrics["epochs"]] == [e["epoch"] for e in reference["epochs"]]
-    for epoch, expected in zip(metrics["epochs"], reference["epochs"], strict=True):
-        assert epoch["loss"] == pytest.approx(expected["loss"], rel=1e-4)
-    assert metrics["final"]["loss"] == pytest.approx(reference["final"]["loss"], rel=1e-4)
-    assert metrics["final"]["accuracy"] == pytest.approx(reference["final"]["accuracy"], abs=1e-6)
-
-
-@pytest.fixture(scope="module")
-def one_device_metrics(tmp_path_factory):
-    model_dir = str(tmp_path_factory.mktemp("one_device"))
-    result = run_script(
-        "train.py", *TWO_EPOCHS, "--strategy=one_device", f"--model_dir={model_dir}"
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return _metrics(model_dir)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
@@ -69,7 +40,7 @@ def test_pipeline_script_trains_like_one_device(tmp_path, one_device_metrics, sc
         f"--model_dir={model_dir}",
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    _assert_same_training(_metrics(model_dir), one_device_metrics)
+    assert_same_training(read_metrics(model_dir), one_device_metrics)
     timeline = f"{model_dir}/logs/pipeline_timeline"
     assert os.path.getsize(f"{timeline}/step3.png") > 0
     with open(f"{timeline}/step3.trace.json") as handle:
@@ -87,7 +58,7 @@ def test_model_parallel_script_trains_like_one_device(tmp_path, one_device_metri
         f"--model_dir={model_dir}",
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    _assert_same_training(_metrics(model_dir), one_device_metrics)
+    assert_same_training(read_metrics(model_dir), one_device_metrics)
 
 
 @pytest.mark.parametrize("placement", ["params", "time"])
@@ -106,7 +77,7 @@ def test_placed_model_parallel_script_trains_like_one_device(
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "/device:CPU:2" in result.stderr
-    _assert_same_training(_metrics(model_dir), one_device_metrics)
+    assert_same_training(read_metrics(model_dir), one_device_metrics)
 
 
 def test_batch_not_divisible_by_microbatches_is_one_line(tmp_path):
@@ -123,17 +94,11 @@ def test_batch_not_divisible_by_microbatches_is_one_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def _launch(*args: str, **popen_options):
-    command = [sys.executable, os.path.join(REPO_ROOT, "scripts", "launch.py"), *args]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    return subprocess.Popen(command, cwd=REPO_ROOT, env=env, text=True, **popen_options)
-
-
 def test_multi_worker_script_trains_like_one_device_with_chief_only_outputs(
     tmp_path, one_device_metrics
 ):
     model_dir = str(tmp_path / "run")
-    launcher = _launch(
+    launcher = launch(
         "--num_workers=2",
         "--devices_per_worker=2",
         "--",
@@ -148,9 +113,9 @@ def test_multi_worker_script_trains_like_one_device_with_chief_only_outputs(
     )
     output, _ = launcher.communicate(timeout=240)
     assert launcher.returncode == 0, output[-3000:]
-    metrics = _metrics(model_dir)
+    metrics = read_metrics(model_dir)
     assert metrics["run"]["num_replicas"] == 4
-    _assert_same_training(metrics, one_device_metrics)
+    assert_same_training(metrics, one_device_metrics)
     top_level = sorted(os.listdir(model_dir))
     assert top_level == ["backup", "checkpoints", "logs", "metrics.json"]
     assert not glob.glob(f"{model_dir}/**/*worker1*/**", recursive=True)
@@ -178,7 +143,7 @@ def test_sigkilled_worker_restarts_the_group_which_resumes_and_records_each_epoc
     tmp_path,
 ):
     model_dir = str(tmp_path / "run")
-    launcher = _launch(
+    launcher = launch(
         "--num_workers=2",
         "--max_restarts=1",
         "--",
@@ -197,7 +162,7 @@ def test_sigkilled_worker_restarts_the_group_which_resumes_and_records_each_epoc
     killed = None
     while killed is None and time.monotonic() < deadline and launcher.poll() is None:
         metrics_path = os.path.join(model_dir, "metrics.json")
-        if os.path.exists(metrics_path) and _metrics(model_dir)["epochs"]:
+        if os.path.exists(metrics_path) and read_metrics(model_dir)["epochs"]:
             pid = _worker_pid(model_dir, rank=1)
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
@@ -210,6 +175,6 @@ def test_sigkilled_worker_restarts_the_group_which_resumes_and_records_each_epoc
     assert "restarting all workers" in output
     after_restart = output.split("restarting all workers", 1)[1]
     assert "Epoch 1/4" not in after_restart
-    metrics = _metrics(model_dir)
+    metrics = read_metrics(model_dir)
     assert metrics["status"] == "completed"
     assert [epoch["epoch"] for epoch in metrics["epochs"]] == [1, 2, 3, 4]

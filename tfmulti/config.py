@@ -51,6 +51,7 @@ class TrainConfig:
     remat: bool = False
     trace_steps: tuple[int, int] | None = None
     placement: str | None = None
+    mesh: str | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

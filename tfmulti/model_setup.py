@@ -17,7 +17,7 @@ from tfmulti.cluster import ClusterInfo, build_multi_worker_strategy
 from tfmulti.config import TrainConfig
 from tfmulti.data import DataInfo
 from tfmulti.devices import logical_device_names
-from tfmulti.names import STAGED_STRATEGY_NAMES
+from tfmulti.names import HYBRID_STRATEGY_NAME, STAGED_STRATEGY_NAMES
 from tfmulti.strategy import get_strategy
 
 
@@ -40,9 +40,13 @@ def compile_model(model: keras.Model, config: TrainConfig) -> None:
 def make_strategy(config: TrainConfig, cluster: ClusterInfo | None) -> tf.distribute.Strategy:
     """Returns the strategy of `config`: multi-worker over `cluster`, data-parallel on
     this host, or the default strategy for the staged (pipeline, model-parallel) ones."""
-    if config.strategy in STAGED_STRATEGY_NAMES:
+    if config.strategy in STAGED_STRATEGY_NAMES or (
+        config.strategy == HYBRID_STRATEGY_NAME and cluster is None
+    ):
         return tf.distribute.get_strategy()
     if cluster is not None:
+        # Under hybrid the strategy only starts the collective runtime; nothing runs in
+        # its scope.
         return build_multi_worker_strategy(
             cluster, config.communication, config.collective_timeout, config.connect_timeout
         )
@@ -50,7 +54,11 @@ def make_strategy(config: TrainConfig, cluster: ClusterInfo | None) -> tf.distri
 
 
 def build_compiled_model(
-    config: TrainConfig, info: DataInfo, strategy: tf.distribute.Strategy, sample_x: np.ndarray
+    config: TrainConfig,
+    info: DataInfo,
+    strategy: tf.distribute.Strategy,
+    sample_x: np.ndarray,
+    cluster: ClusterInfo | None = None,
 ) -> keras.Model:
     """Builds and compiles the model of `config` for data described by `info`.
 
@@ -59,7 +67,13 @@ def build_compiled_model(
         info: the dataset's description (input shape, classes).
         strategy: from `make_strategy(config)`.
         sample_x: one global batch of inputs; builds the model and costs its blocks.
+        cluster: the workers a hybrid run spans (None on one host).
     """
+    if config.strategy == HYBRID_STRATEGY_NAME:
+        model = build_hybrid(config, info, sample_x, cluster)
+        compile_model(model, config)
+        model(sample_x)
+        return model
     if config.strategy not in STAGED_STRATEGY_NAMES:
         with strategy.scope():
             model = registry.build_model(
@@ -107,41 +121,110 @@ def _stage_devices(num_stages: int) -> list[str]:
     return devices[:num_stages]
 
 
+def _reference_blocks(config: TrainConfig, info: DataInfo) -> list[keras.layers.Layer]:
+    """The reference model's blocks, freshly built (same seed, same weights every call)."""
+    return registry.build_blocks(
+        config.model, info.input_shape, info.num_classes, config.seed, **config.model_options
+    )
+
+
+def _split_blocks(
+    config: TrainConfig,
+    blocks: list[keras.layers.Layer],
+    num_stages: int,
+    num_microbatches: int,
+    microbatch_x: np.ndarray,
+    schedule: str,
+) -> tuple[int, ...]:
+    """Stage boundaries of `blocks` by `config.partition`, costed on one micro-batch."""
+    from tfmulti.pipeline.runtime import partition_blocks
+
+    if num_stages > len(blocks):
+        raise ValueError(
+            f"Model {config.model!r} has {len(blocks)} blocks, too few for {num_stages} "
+            "stages; use fewer stages (--num_stages, pipe in --mesh) or --chunks."
+        )
+    partition = partition_blocks(
+        blocks,
+        num_stages,
+        config.partition,
+        sample_input=microbatch_x,
+        num_microbatches=num_microbatches,
+        # The balancer simulates one stage per device; interleaved splits use 1F1B's model.
+        schedule=schedule if config.chunks == 1 else "1f1b",
+    )
+    return partition.boundaries
+
+
+def _check_batch_splits(batch_size: int, parts: int, what: str) -> None:
+    if batch_size % parts:
+        raise ValueError(
+            f"The global batch must split into {what}. Received: batch_size={batch_size}; "
+            f"use a multiple of {parts}."
+        )
+
+
 def build_staged_model(config: TrainConfig, info: DataInfo, sample_x: np.ndarray) -> keras.Model:
     """Splits the reference model's blocks into stages on devices, in a `PipelineModel`."""
-    from tfmulti.pipeline.runtime import PipelineModel, partition_blocks, stages_from_blocks
+    from tfmulti.pipeline.runtime import PipelineModel, stages_from_blocks
 
     pipelined = config.strategy == "pipeline"
     num_microbatches = config.microbatches if pipelined else 1
     schedule = config.schedule if pipelined else "model_parallel"
     chunks = config.chunks if pipelined else 1
     devices = _stage_devices(config.num_stages)
-    if config.batch_size % num_microbatches:
-        raise ValueError(
-            f"The global batch must split into {num_microbatches} equal micro-batches. "
-            f"Received: batch_size={config.batch_size}; use a multiple of --microbatches."
-        )
-    blocks = registry.build_blocks(
-        config.model, info.input_shape, info.num_classes, config.seed, **config.model_options
+    _check_batch_splits(
+        config.batch_size, num_microbatches, f"{num_microbatches} micro-batches (--microbatches)"
     )
-    num_stages = config.num_stages * chunks
-    if num_stages > len(blocks):
-        raise ValueError(
-            f"Model {config.model!r} has {len(blocks)} blocks, too few for {num_stages} "
-            "stages; lower --num_stages or --chunks."
-        )
-    partition = partition_blocks(
+    blocks = _reference_blocks(config, info)
+    boundaries = _split_blocks(
+        config,
         blocks,
-        num_stages,
-        config.partition,
-        sample_input=sample_x[: config.batch_size // num_microbatches],
-        num_microbatches=num_microbatches,
-        schedule=schedule if pipelined and chunks == 1 else "1f1b",
+        config.num_stages * chunks,
+        num_microbatches,
+        sample_x[: config.batch_size // num_microbatches],
+        config.schedule if pipelined else "1f1b",
     )
     return PipelineModel(
-        stages_from_blocks(blocks, partition.boundaries),
+        stages_from_blocks(blocks, boundaries),
         devices,
         num_microbatches,
         schedule,
         remat=config.remat,
+    )
+
+
+def build_hybrid(
+    config: TrainConfig, info: DataInfo, sample_x: np.ndarray, cluster: ClusterInfo | None
+) -> keras.Model:
+    """Copies of the pipelined reference model, one per data replica of `config.mesh`."""
+    from tfmulti.hybrid import build_hybrid_model
+    from tfmulti.mesh import parse_mesh
+
+    mesh = parse_mesh(config.mesh)
+    rows_per_step = mesh.data * config.microbatches
+    _check_batch_splits(
+        config.batch_size,
+        rows_per_step,
+        f"data={mesh.data} replicas x {config.microbatches} micro-batches",
+    )
+    boundaries = _split_blocks(
+        config,
+        _reference_blocks(config, info),
+        mesh.pipe * config.chunks,
+        config.microbatches,
+        sample_x[: config.batch_size // rows_per_step],
+        config.schedule,
+    )
+    return build_hybrid_model(
+        lambda: _reference_blocks(config, info),
+        mesh,
+        config.microbatches,
+        config.schedule,
+        chunks=config.chunks,
+        partition_boundaries=boundaries,
+        remat=config.remat,
+        cluster=cluster,
+        communication=config.communication,
+        collective_timeout=config.collective_timeout,
     )

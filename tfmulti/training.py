@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -135,8 +136,18 @@ def train(config: TrainConfig) -> dict:
     cluster = None
     if config.strategy == "multi_worker":
         cluster = resolve_cluster(config.worker_hosts, config.task_index)
+    hybrid = config.strategy == "hybrid"
+    if hybrid:
+        from tfmulti.hybrid import resolve_hybrid_cluster
+
+        cluster = resolve_hybrid_cluster(config.worker_hosts, config.task_index)
     strategy = make_strategy(config, cluster)
-    replicas = strategy.num_replicas_in_sync
+    if hybrid:
+        from tfmulti.mesh import parse_mesh
+
+        replicas = parse_mesh(config.mesh).data
+    else:
+        replicas = strategy.num_replicas_in_sync
     per_replica = per_replica_batch_size(config.batch_size, replicas)
     output_dir = worker_output_dir(config.model_dir, cluster) if cluster else config.model_dir
     resume_epoch = check_model_dir(
@@ -154,19 +165,29 @@ def train(config: TrainConfig) -> dict:
         steps_per_epoch=steps_per_epoch,
         start_step=resume_epoch * steps_per_epoch,
         total_steps=steps_per_epoch * (config.epochs - resume_epoch),
-        shard_policy=_shard_policy(config, source, cluster),
+        shard_policy=None if hybrid else _shard_policy(config, source, cluster),
     )
+    if hybrid and cluster is not None:
+        from tfmulti.hybrid import worker_rows
+
+        # Every worker validates on the whole validation split, so all report the same.
+        data = dataclasses.replace(data, train=worker_rows(data.train, cluster))
     model = build_compiled_model(
-        config, data.info, strategy, _first_inputs(source, config.batch_size)
+        config, data.info, strategy, _first_inputs(source, config.batch_size), cluster
     )
     run = {
         **config.to_dict(),
         "num_replicas": replicas,
         "per_replica_batch_size": per_replica,
-        "parameters": model.count_params(),
+        "parameters": (model.replicas[0] if hybrid else model).count_params(),
     }
     record = RunRecord(output_dir, run, resume_from_epoch=resume_epoch)
     callbacks, nan_guard = standard_callbacks(config, output_dir, record, cluster)
+    if hybrid and cluster is not None and not cluster.is_chief:
+        from tfmulti.compat import worker_paths
+
+        # No multi-worker strategy scope here, so the compat fix does not redirect them.
+        worker_paths.redirect_to_scratch(callbacks, worker_paths.scratch_dir())
     logging.info(
         "Training %s on %s: %s over %d replica(s), global batch %d (%d per replica).",
         config.model,

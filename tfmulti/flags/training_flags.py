@@ -129,6 +129,15 @@ def _is_partition_spec(text: str) -> bool:
     return True
 
 
+def _is_mesh(text: str | None) -> bool:
+    from tfmulti.mesh import MeshError, parse_mesh
+
+    try:
+        return text is None or bool(parse_mesh(text))
+    except MeshError:
+        return False
+
+
 def define_pipeline_flags() -> None:
     """Flags of --strategy=pipeline and --strategy=model_parallel."""
     flags.DEFINE_integer(
@@ -179,6 +188,23 @@ def define_pipeline_flags() -> None:
         "trace_steps",
         _parses_as_step_range,
         message="--trace_steps must be FIRST,LAST with 1 <= FIRST <= LAST, e.g. 3,4",
+    )
+    flags.DEFINE_string(
+        "mesh",
+        None,
+        "Device mesh of --strategy=hybrid, e.g. data=2,pipe=2: data x pipe = devices per "
+        "host x workers; each data replica pipelines over pipe devices of one host.",
+    )
+    flags.register_validator("mesh", _is_mesh, message="--mesh must be like data=2,pipe=2")
+    flags.register_multi_flags_validator(
+        ["strategy", "mesh"],
+        lambda values: (values["strategy"] == "hybrid") == (values["mesh"] is not None),
+        message="--mesh goes with --strategy=hybrid, and --strategy=hybrid needs --mesh",
+    )
+    flags.register_multi_flags_validator(
+        ["strategy", "trace_steps"],
+        lambda values: values["strategy"] != "hybrid" or values["trace_steps"] is None,
+        message="--trace_steps does not support --strategy=hybrid yet",
     )
     flags.register_multi_flags_validator(
         ["schedule", "chunks"],
@@ -274,4 +300,5 @@ def config_from_flags() -> TrainConfig:
         remat=FLAGS.remat,
         trace_steps=parse_step_range(FLAGS.trace_steps) if FLAGS.trace_steps else None,
         placement=FLAGS.placement,
+        mesh=FLAGS.mesh,
     )
