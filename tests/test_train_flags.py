@@ -17,6 +17,15 @@ BAD_FLAGS = [
     ("--profile_steps=abc", "profile_steps"),
     ("--virtual_devices=-2", "virtual_devices"),
     ("--no_such_flag=1", "no_such_flag"),
+    ("--tensor_parallel=2", "tensor_parallel"),
+    ("--placement=auto", "placement"),
+    ("--mesh=data=2,pipe=2", "mesh"),
+    ("--strategy=hybrid", "mesh"),
+    ("--schedule=interleaved_1f1b", "chunks"),
+    ("--partition=evenly", "partition"),
+    ("--trace_steps=0", "trace_steps"),
+    ("--worker_hosts=localhost:1234", "task_index"),
+    ("--model_option=num_layers", "model_option"),
 ]
 
 

@@ -80,6 +80,35 @@ def test_placed_model_parallel_script_trains_like_one_device(
     assert_same_training(read_metrics(model_dir), one_device_metrics)
 
 
+def test_tensor_parallel_transformer_script_trains_like_unsplit(tmp_path):
+    common = (
+        "--strategy=model_parallel",
+        "--model=transformer",
+        "--dataset=tokens",
+        "--model_option=num_layers=1",
+        "--batch_size=16",
+        "--epochs=1",
+        "--steps_per_epoch=3",
+        "--validation_steps=2",
+        "--optimizer=sgd",
+        "--learning_rate=0.1",
+        "--num_stages=1",
+    )
+    records = {}
+    for tensor_parallel in (1, 2):
+        model_dir = str(tmp_path / f"tp{tensor_parallel}")
+        result = run_script(
+            "train.py",
+            *common,
+            "--virtual_devices=2",
+            f"--tensor_parallel={tensor_parallel}",
+            f"--model_dir={model_dir}",
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        records[tensor_parallel] = read_metrics(model_dir)
+    assert_same_training(records[2], records[1])
+
+
 def test_batch_not_divisible_by_microbatches_is_one_line(tmp_path):
     result = run_script(
         "train.py",

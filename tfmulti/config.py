@@ -52,6 +52,7 @@ class TrainConfig:
     trace_steps: tuple[int, int] | None = None
     placement: str | None = None
     mesh: str | None = None
+    tensor_parallel: int = 1
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

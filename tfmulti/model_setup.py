@@ -18,6 +18,7 @@ from tfmulti.config import TrainConfig
 from tfmulti.data import DataInfo
 from tfmulti.devices import logical_device_names
 from tfmulti.names import HYBRID_STRATEGY_NAME, STAGED_STRATEGY_NAMES
+from tfmulti.pipeline.runtime.optimizer_placement import place_optimizer_on_variable_devices
 from tfmulti.strategy import get_strategy
 
 
@@ -85,13 +86,30 @@ def build_compiled_model(
             )
             compile_model(model, config)
         return model
-    if config.strategy == "model_parallel" and config.placement:
+    if config.tensor_parallel > 1:
+        model = build_tensor_parallel_model(config, info)
+    elif config.strategy == "model_parallel" and config.placement:
         model = build_placed_model(config, info, sample_x)
     else:
         model = build_staged_model(config, info, sample_x)
     compile_model(model, config)
+    # Every staged model keeps optimizer state beside its variables (idempotent).
+    place_optimizer_on_variable_devices(model.optimizer)
     model(sample_x)
     return model
+
+
+def build_tensor_parallel_model(config: TrainConfig, info: DataInfo) -> keras.Model:
+    """The reference model with its layers split over `config.tensor_parallel` devices."""
+    return registry.build_model(
+        config.model,
+        info.input_shape,
+        info.num_classes,
+        config.seed,
+        tensor_parallel=config.tensor_parallel,
+        tensor_parallel_devices=_stage_devices(config.tensor_parallel),
+        **config.model_options,
+    )
 
 
 def build_placed_model(config: TrainConfig, info: DataInfo, sample_x: np.ndarray) -> keras.Model:

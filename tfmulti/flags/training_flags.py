@@ -189,6 +189,13 @@ def define_pipeline_flags() -> None:
         _parses_as_step_range,
         message="--trace_steps must be FIRST,LAST with 1 <= FIRST <= LAST, e.g. 3,4",
     )
+    flags.DEFINE_integer(
+        "tensor_parallel",
+        1,
+        "Split the Transformer's attention heads, MLP hidden units and vocabulary over K "
+        "devices (Megatron-style); with --strategy=model_parallel --model=transformer.",
+        lower_bound=1,
+    )
     flags.DEFINE_string(
         "mesh",
         None,
@@ -257,6 +264,19 @@ def define_train_flags() -> None:
     define_data_flags()
     define_loop_flags()
     define_output_flags()
+    flags.register_multi_flags_validator(
+        ["tensor_parallel", "strategy", "model", "jit_compile"],
+        lambda values: (
+            values["tensor_parallel"] == 1
+            or (
+                values["strategy"] == "model_parallel"
+                and values["model"] == "transformer"
+                and not values["jit_compile"]
+            )
+        ),
+        message="--tensor_parallel > 1 goes with --strategy=model_parallel --model=transformer "
+        "and without --jit_compile",
+    )
 
 
 def config_from_flags() -> TrainConfig:
@@ -301,4 +321,5 @@ def config_from_flags() -> TrainConfig:
         trace_steps=parse_step_range(FLAGS.trace_steps) if FLAGS.trace_steps else None,
         placement=FLAGS.placement,
         mesh=FLAGS.mesh,
+        tensor_parallel=FLAGS.tensor_parallel,
     )
