@@ -29,6 +29,14 @@ _LAZY_EXPORTS = {
     "make_datasets": "tfmulti.data",
     "PipelineModel": "tfmulti.pipeline.runtime",
     "PipelineTimelineCallback": "tfmulti.pipeline.runtime",
+    "place": "tfmulti.parallel",
+    "ParallelMLP": "tfmulti.parallel",
+    "ParallelSelfAttention": "tfmulti.parallel",
+    "ColumnParallelDense": "tfmulti.parallel",
+    "RowParallelDense": "tfmulti.parallel",
+    "VocabParallelEmbedding": "tfmulti.parallel",
+    "HybridPipelineModel": "tfmulti.hybrid",
+    "parse_mesh": "tfmulti.mesh",
 }
 
 

@@ -1,8 +1,9 @@
-"""Tensor parallelism: Keras layers whose weights are split over devices (Megatron-style).
+"""Model parallelism: split layers (Megatron-style tensor parallelism) and layer placement.
 
 Example:
-    >>> from tfmulti.parallel import ParallelMLP
+    >>> from tfmulti.parallel import ParallelMLP, place
     >>> mlp = ParallelMLP(d_model=64, mlp_dim=256, devices=["/CPU:0", "/CPU:1"])
+    >>> placed = place(model, balance="params", devices=["/CPU:0", "/CPU:1"])
 """
 
 from tfmulti.parallel.causal_attention import attend_causally
@@ -13,6 +14,8 @@ from tfmulti.parallel.communication import (
 )
 from tfmulti.parallel.parallel_attention import ParallelSelfAttention
 from tfmulti.parallel.parallel_mlp import ParallelMLP
+from tfmulti.parallel.placement import PlacedModel, place, place_reference_model
+from tfmulti.parallel.placement_summary import PlacementSummary
 from tfmulti.parallel.shard_devices import resolve_shard_devices
 from tfmulti.parallel.sharded_layer import (
     TensorParallelLayer,
@@ -27,19 +30,17 @@ __all__ = [
     "CommunicationBytes",
     "ParallelMLP",
     "ParallelSelfAttention",
+    "PlacedModel",
+    "PlacementSummary",
     "RowParallelDense",
     "TensorParallelLayer",
     "VocabParallelEmbedding",
     "attend_causally",
     "cross_device_bytes",
     "measure_communication",
+    "place",
+    "place_reference_model",
     "resolve_shard_devices",
     "set_unsplit_weights",
     "unsplit_weights",
 ]
-
-# Layer placement (model parallelism for any functional model).
-from tfmulti.parallel.placement import PlacedModel, place, place_reference_model  # noqa: E402
-from tfmulti.parallel.placement_summary import PlacementSummary  # noqa: E402
-
-__all__ += ["PlacedModel", "PlacementSummary", "place", "place_reference_model"]
