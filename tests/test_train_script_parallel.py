@@ -109,6 +109,29 @@ def test_tensor_parallel_transformer_script_trains_like_unsplit(tmp_path):
     assert_same_training(records[2], records[1])
 
 
+@pytest.mark.parametrize("dtype", ["mixed_float16", "mixed_bfloat16"])
+def test_pipelined_transformer_trains_under_mixed_precision(tmp_path, dtype):
+    model_dir = str(tmp_path / "run")
+    result = run_script(
+        "train.py",
+        "--strategy=pipeline",
+        "--virtual_devices=2",
+        "--num_stages=2",
+        "--microbatches=2",
+        "--model=transformer",
+        "--dataset=tokens",
+        f"--dtype={dtype}",
+        "--batch_size=16",
+        "--epochs=1",
+        "--steps_per_epoch=3",
+        f"--model_dir={model_dir}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(model_dir)
+    assert metrics["status"] == "completed"
+    assert isinstance(metrics["final"]["loss"], float)
+
+
 def test_batch_not_divisible_by_microbatches_is_one_line(tmp_path):
     result = run_script(
         "train.py",

@@ -75,3 +75,15 @@ def logical_device_names(device_type: str | None = None) -> list[str]:
     """Returns the names of the logical devices of `device_type` (default: accelerator)."""
     device_type = (device_type or accelerator_type()).upper()
     return [device.name for device in tf.config.list_logical_devices(device_type)]
+
+
+def variable_device(variable) -> str:
+    """The device that holds `variable`'s storage (a Keras or a TensorFlow variable).
+
+    Not `variable.value.device`: under a mixed-precision policy, reading `value` inside a
+    layer's call gives a float16 copy made on the current device.
+    """
+    # Keras keeps the tf.Variable in `_value`; its public `value` and `handle` go through
+    # the autocast, so they cannot say where the storage is.
+    storage = getattr(variable, "_value", None)
+    return storage.device if isinstance(storage, tf.Variable) else variable.device

@@ -9,6 +9,7 @@ import tensorflow as tf
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from tfmulti.devices import variable_device
 from tfmulti.hybrid.worker_collectives import WorkerCollectives
 from tfmulti.pipeline.actions import Schedule
 from tfmulti.pipeline.runtime.executor import add_gradients
@@ -178,7 +179,7 @@ class HybridPipelineModel(keras.Model):
             if self.worker_collectives is not None:
                 values = self.worker_collectives.broadcast_from_chief(
                     [v.value for v in source],
-                    [v.value.device for v in source],
+                    [variable_device(v) for v in source],
                     keys=range(1, len(source) + 1),
                 )
                 for variable, value in zip(source, values, strict=True):
@@ -197,7 +198,7 @@ class HybridPipelineModel(keras.Model):
                 id(v): g for v, g in zip(result.variables, result.gradients, strict=True)
             }
             per_replica.append([by_variable[id(v)] for v in replica.trainable_variables])
-        devices = [v.value.device for v in self.replicas[0].trainable_variables]
+        devices = [variable_device(v) for v in self.replicas[0].trainable_variables]
         scale = 1.0 / self.num_data_replicas
         averaged = []
         for device, replica_gradients in zip(devices, zip(*per_replica, strict=True), strict=True):
@@ -226,7 +227,7 @@ class HybridPipelineModel(keras.Model):
         ]
         if not state[0]:
             return
-        devices = [v.value.device for v in state[0]]
+        devices = [variable_device(v) for v in state[0]]
         means = []
         for device, copies in zip(devices, zip(*state, strict=True), strict=True):
             with tf.device(device):

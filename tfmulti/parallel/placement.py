@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 import keras
 import tensorflow as tf
 
-from tfmulti.devices import logical_device_names
+from tfmulti.devices import logical_device_names, variable_device
 from tfmulti.parallel.placement_graph import (
     functional_view,
     graph_units,
@@ -230,7 +230,7 @@ def _move_variables(units, unit_devices, devices) -> None:
             if id(variable) in moved:
                 continue
             moved.add(id(variable))
-            if _same_device(variable.value.device, device):
+            if _same_device(variable_device(variable), device):
                 continue
             # Keras re-creates the backing tf.Variable from a value: under this device
             # scope it lands on `device`, and the Keras variable keeps its identity.

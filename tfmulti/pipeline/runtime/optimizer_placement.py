@@ -10,11 +10,13 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tfmulti.devices import variable_device
+
 _PLACED_MARK = "_tfmulti_placed_on_variable_devices"
 
 
 def _device_of(variable) -> str:
-    return variable.value.device if isinstance(variable, keras.Variable) else variable.device
+    return variable_device(variable)
 
 
 def place_optimizer_on_variable_devices(optimizer: keras.optimizers.Optimizer) -> None:

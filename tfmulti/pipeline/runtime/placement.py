@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import keras
 import tensorflow as tf
 
+from tfmulti.devices import variable_device
+
 
 def resolve_devices(devices: Sequence[str]) -> list[str]:
     """Returns the full logical-device name of each of `devices`.
@@ -78,13 +80,14 @@ def check_stage_placement(
     for index, (stage, device) in enumerate(zip(stages, stage_device_names, strict=True)):
         expected = tf.DeviceSpec.from_string(device)
         for variable in stage.variables:
-            actual = tf.DeviceSpec.from_string(variable.value.device)
+            actual = tf.DeviceSpec.from_string(variable_device(variable))
             if (actual.device_type, actual.device_index) != (
                 expected.device_type,
                 expected.device_index,
             ):
                 raise ValueError(
-                    f"Stage {index}'s variable {variable.path!r} is on {variable.value.device}, "
+                    f"Stage {index}'s variable {variable.path!r} is on "
+                    f"{variable_device(variable)}, "
                     f"not on its stage device {device}: the stage was built before the "
                     "pipeline placed it. Pass unbuilt layers (the pipeline builds them), or "
                     f"build stage {index} under `tf.device({device!r})`."
