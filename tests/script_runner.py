@@ -66,3 +66,22 @@ def assert_same_training(metrics: dict, reference: dict) -> None:
         assert epoch["loss"] == pytest.approx(expected["loss"], rel=1e-4)
     assert metrics["final"]["loss"] == pytest.approx(reference["final"]["loss"], rel=1e-4)
     assert metrics["final"]["accuracy"] == pytest.approx(reference["final"]["accuracy"], abs=1e-6)
+
+
+def launch_training(*train_args: str, num_workers: int = 2, devices_per_worker: int = 2):
+    """Runs `scripts/train.py train_args...` on local workers via `scripts/launch.py`.
+
+    Returns (exit code, combined output).
+    """
+    launcher = launch(
+        f"--num_workers={num_workers}",
+        f"--devices_per_worker={devices_per_worker}",
+        "--",
+        sys.executable,
+        "scripts/train.py",
+        *train_args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    output, _ = launcher.communicate(timeout=240)
+    return launcher.returncode, output

@@ -2,14 +2,12 @@
 and across two local workers launched by `scripts/launch.py`."""
 
 import os
-import subprocess
-import sys
 
 from script_runner import (
     TWO_EPOCHS,
     assert_same_training,
     last_line,
-    launch,
+    launch_training,
     read_metrics,
     run_script,
 )
@@ -38,12 +36,7 @@ def test_hybrid_script_across_two_workers_trains_like_one_device_with_chief_only
     one_device_metrics,
 ):
     model_dir = str(tmp_path / "run")
-    launcher = launch(
-        "--num_workers=2",
-        "--devices_per_worker=2",
-        "--",
-        sys.executable,
-        "scripts/train.py",
+    returncode, output = launch_training(
         *TWO_EPOCHS,
         "--strategy=hybrid",
         "--mesh=data=2,pipe=2",
@@ -51,11 +44,8 @@ def test_hybrid_script_across_two_workers_trains_like_one_device_with_chief_only
         "--schedule=zb_h1",
         "--collective_timeout=60",
         f"--model_dir={model_dir}",
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
     )
-    output, _ = launcher.communicate(timeout=240)
-    assert launcher.returncode == 0, output[-3000:]
+    assert returncode == 0, output[-3000:]
     assert_same_training(read_metrics(model_dir), one_device_metrics)
     assert sorted(os.listdir(model_dir)) == ["backup", "checkpoints", "logs", "metrics.json"]
 

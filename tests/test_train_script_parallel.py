@@ -19,6 +19,7 @@ from script_runner import (
     TWO_EPOCHS,
     assert_same_training,
     launch,
+    launch_training,
     read_metrics,
     run_script,
 )
@@ -150,21 +151,13 @@ def test_multi_worker_script_trains_like_one_device_with_chief_only_outputs(
     tmp_path, one_device_metrics
 ):
     model_dir = str(tmp_path / "run")
-    launcher = launch(
-        "--num_workers=2",
-        "--devices_per_worker=2",
-        "--",
-        sys.executable,
-        "scripts/train.py",
+    returncode, output = launch_training(
         *TWO_EPOCHS,
         "--strategy=multi_worker",
         "--profile_steps=2,3",
         f"--model_dir={model_dir}",
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
     )
-    output, _ = launcher.communicate(timeout=240)
-    assert launcher.returncode == 0, output[-3000:]
+    assert returncode == 0, output[-3000:]
     metrics = read_metrics(model_dir)
     assert metrics["run"]["num_replicas"] == 4
     assert_same_training(metrics, one_device_metrics)
