@@ -29,7 +29,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import flags  # noqa: E402
 
 from tfmulti.flags.parsing import run_script  # noqa: E402
-from tfmulti.flags.training_flags import _parse_model_option, define_data_flags  # noqa: E402
+from tfmulti.flags.training_flags import define_data_flags, parse_model_option  # noqa: E402
 from tfmulti.planner import Hardware, load_costs, save_costs, search_layouts  # noqa: E402
 from tfmulti.planner.report import (  # noqa: E402
     format_layouts,
@@ -128,7 +128,7 @@ def _model_costs():
         FLAGS.model,
         FLAGS.dataset,
         data_path=FLAGS.data_path,
-        model_options=dict(_parse_model_option(option) for option in FLAGS.model_option),
+        model_options=dict(parse_model_option(option) for option in FLAGS.model_option),
         batch_sizes=[int(size) for size in sizes],
         seed=FLAGS.seed,
         rounds=FLAGS.measure_rounds,

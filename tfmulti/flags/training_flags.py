@@ -28,7 +28,7 @@ def _parses_as_step_range(text: str | None) -> bool:
     return True
 
 
-def _parse_model_option(text: str) -> tuple[str, object] | None:
+def parse_model_option(text: str) -> tuple[str, object] | None:
     """Returns (name, value) of "NAME=VALUE", the value read as a Python literal if it is one."""
     name, separator, value = text.partition("=")
     if not separator or not name.strip().isidentifier():
@@ -71,7 +71,7 @@ def define_data_flags() -> None:
     )
     flags.register_validator(
         "model_option",
-        lambda options: all(_parse_model_option(option) for option in options),
+        lambda options: all(parse_model_option(option) for option in options),
         message="--model_option must be NAME=VALUE, e.g. --model_option=num_layers=6",
     )
 
@@ -288,7 +288,7 @@ def config_from_flags() -> TrainConfig:
         num_devices=FLAGS.num_devices or None,
         all_reduce=FLAGS.all_reduce,
         model=FLAGS.model,
-        model_options=dict(_parse_model_option(option) for option in FLAGS.model_option),
+        model_options=dict(parse_model_option(option) for option in FLAGS.model_option),
         dataset=FLAGS.dataset,
         data_path=FLAGS.data_path,
         batch_size=FLAGS.batch_size,
