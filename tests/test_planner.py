@@ -54,6 +54,8 @@ def _exhaustive_step_times(costs, num_devices, hardware):
     for data, pipe, tensor in itertools.product(range(1, num_devices + 1), repeat=3):
         if data * pipe * tensor != num_devices or tensor not in costs.tensor_parallel_sizes:
             continue
+        if tensor > 1 and data * pipe > 1:  # not runnable: tensor parallelism runs alone
+            continue
         per_replica = GLOBAL_BATCH // data
         microbatch_counts = [m for m in range(1, per_replica + 1) if per_replica % m == 0]
         shapes = [(None, 1, 1)]
@@ -152,9 +154,11 @@ def test_tensor_split_divides_per_example_time_and_params_and_adds_allreduces():
     assert split.param_bytes == pytest.approx(whole.param_bytes / 2)
 
 
-def test_tensor_meshes_appear_only_for_supported_sizes():
+def test_tensor_meshes_appear_only_for_supported_sizes_and_alone():
     assert all(mesh.tensor == 1 for mesh in meshes(4, (1,)))
-    assert {mesh.tensor for mesh in meshes(4, (1, 2))} == {1, 2}
+    assert {mesh.tensor for mesh in meshes(2, (1, 2))} == {1, 2}
+    mixed = meshes(8, (1, 2, 4), allow_fewer_devices=True)
+    assert all(mesh.tensor == 1 or mesh.data * mesh.pipe == 1 for mesh in mixed)
     layouts = search_layouts(_costs(tensor_sizes=(1,)), 4, GLOBAL_BATCH, HARDWARE)
     assert all(layout.mesh.tensor == 1 for layout in layouts)
 

@@ -29,7 +29,11 @@ INTERLEAVED = "interleaved_1f1b"
 def meshes(
     num_devices: int, tensor_sizes: Sequence[int] = (1,), allow_fewer_devices: bool = False
 ) -> list[DeviceMesh]:
-    """Every data x pipe x tensor arrangement of `num_devices` (or of fewer, if allowed).
+    """Every runnable data x pipe x tensor arrangement of `num_devices` (or of fewer, if allowed).
+
+    Tensor parallelism runs alone (`--strategy=model_parallel --tensor_parallel=K`): the
+    hybrid runtime does not split tensors yet, so meshes mixing it with data or pipe are
+    left out rather than printed with flags that would not run.
 
     Example:
         >>> [str(mesh) for mesh in meshes(2)]
@@ -44,7 +48,9 @@ def meshes(
             continue
         for tensor in sorted(size for size in set(tensor_sizes) if count % size == 0):
             for data in _divisors(count // tensor):
-                found.append(DeviceMesh(data=data, pipe=count // tensor // data, tensor=tensor))
+                pipe = count // tensor // data
+                if tensor == 1 or data * pipe == 1:
+                    found.append(DeviceMesh(data=data, pipe=pipe, tensor=tensor))
     return sorted(found, key=lambda mesh: (mesh.num_devices, mesh.tensor, mesh.data))
 
 
