@@ -15,7 +15,9 @@ Prints one JSON object:
 - `epoch_end_seconds`: median time from an epoch's last step to the next
   epoch's first (validation-free here; tfmulti writes its checkpoint, backup
   and metrics.json then);
-- `wall_clock_ratio`: whole-round time ratio, everything included.
+- `before_first_step_seconds`: median time from `fit`'s callbacks starting to the first step;
+- `round_seconds`, `wall_clock_ratio`: each round's (one `fit` call's) time, and the ratio
+  of the two paths' median rounds, everything included.
 
 Example:
     python scripts/benchmark_dp.py --virtual_devices=2 --steps=100 --rounds=4
@@ -120,12 +122,19 @@ class _EpochTimer(keras.callbacks.Callback):
 
     def __init__(self):
         super().__init__()
-        self.in_epoch, self.between_epochs = [], []
+        self.in_epoch, self.between_epochs, self.before_first_step = [], [], []
         self._last_end = None
+        self._fit_start = None
+
+    def on_train_begin(self, logs=None):
+        self._fit_start = time.perf_counter()
 
     def on_train_batch_begin(self, batch, logs=None):
         if batch == 0:
             self._start = time.perf_counter()
+            if self._fit_start is not None:
+                self.before_first_step.append(self._start - self._fit_start)
+                self._fit_start = None
             if self._last_end is not None:
                 self.between_epochs.append(self._start - self._last_end)
 
@@ -193,6 +202,12 @@ def main(argv):
         "overhead_ratio": step_time["tfmulti"] / step_time["handwritten"],
         "epoch_end_seconds": {
             name: statistics.median(timer.between_epochs) for name, timer in timers.items()
+        },
+        "before_first_step_seconds": {
+            name: statistics.median(timer.before_first_step) for name, timer in timers.items()
+        },
+        "round_seconds": {
+            name: statistics.median(seconds) for name, seconds in round_seconds.items()
         },
         "wall_clock_ratio": sum(round_seconds["tfmulti"]) / sum(round_seconds["handwritten"]),
     }
