@@ -13,7 +13,7 @@ import tensorflow as tf
 from absl import logging
 
 from models import registry
-from tfmulti.cluster import ClusterInfo, build_multi_worker_strategy
+from tfmulti.cluster import ClusterInfo, build_multi_worker_strategy, resolve_cluster
 from tfmulti.config import TrainConfig
 from tfmulti.data import DataInfo
 from tfmulti.devices import logical_device_names
@@ -36,6 +36,26 @@ def compile_model(model: keras.Model, config: TrainConfig) -> None:
         jit_compile=config.jit_compile,
         steps_per_execution=config.steps_per_execution,
     )
+
+
+def resolve_run_cluster(config: TrainConfig) -> ClusterInfo | None:
+    """The workers a multi-worker or hybrid run spans; None for a run on one host."""
+    if config.strategy == "multi_worker":
+        return resolve_cluster(config.worker_hosts, config.task_index)
+    if config.strategy == HYBRID_STRATEGY_NAME:
+        from tfmulti.hybrid import resolve_hybrid_cluster
+
+        return resolve_hybrid_cluster(config.worker_hosts, config.task_index)
+    return None
+
+
+def data_parallel_replicas(config: TrainConfig, strategy: tf.distribute.Strategy) -> int:
+    """How many ways the global batch is split: the mesh's data size under hybrid."""
+    if config.strategy == HYBRID_STRATEGY_NAME:
+        from tfmulti.mesh import parse_mesh
+
+        return parse_mesh(config.mesh).data
+    return strategy.num_replicas_in_sync
 
 
 def make_strategy(config: TrainConfig, cluster: ClusterInfo | None) -> tf.distribute.Strategy:

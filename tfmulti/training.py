@@ -13,11 +13,19 @@ from models import registry
 from tfmulti import data as data_lib
 from tfmulti.callbacks import StopOnNonFiniteLoss, ThroughputLogger
 from tfmulti.checkpointing import EpochCheckpoint, latest_checkpoint
-from tfmulti.cluster import ClusterInfo, resolve_cluster, worker_output_dir
+from tfmulti.cluster import ClusterInfo, worker_output_dir
+from tfmulti.compat import worker_paths
 from tfmulti.config import TrainConfig
 from tfmulti.errors import TrainingError
+from tfmulti.hybrid import worker_rows
 from tfmulti.input_sharding import check_file_sharding
-from tfmulti.model_setup import build_compiled_model, make_strategy
+from tfmulti.model_setup import (
+    build_compiled_model,
+    data_parallel_replicas,
+    make_strategy,
+    resolve_run_cluster,
+)
+from tfmulti.names import HYBRID_STRATEGY_NAME
 from tfmulti.profiling import ProfileSteps
 from tfmulti.run_record import METRICS_FILE, RecordEpochs, RunRecord
 from tfmulti.strategy import per_replica_batch_size
@@ -133,22 +141,11 @@ def train(config: TrainConfig) -> dict:
     """
     keras.utils.set_random_seed(config.seed)
     keras.mixed_precision.set_dtype_policy(config.dtype)
-    cluster = None
-    if config.strategy == "multi_worker":
-        cluster = resolve_cluster(config.worker_hosts, config.task_index)
-    hybrid = config.strategy == "hybrid"
-    if hybrid:
-        from tfmulti.hybrid import resolve_hybrid_cluster
-
-        cluster = resolve_hybrid_cluster(config.worker_hosts, config.task_index)
+    cluster = resolve_run_cluster(config)
     strategy = make_strategy(config, cluster)
-    if hybrid:
-        from tfmulti.mesh import parse_mesh
-
-        replicas = parse_mesh(config.mesh).data
-    else:
-        replicas = strategy.num_replicas_in_sync
+    replicas = data_parallel_replicas(config, strategy)
     per_replica = per_replica_batch_size(config.batch_size, replicas)
+    hybrid = config.strategy == HYBRID_STRATEGY_NAME
     output_dir = worker_output_dir(config.model_dir, cluster) if cluster else config.model_dir
     resume_epoch = check_model_dir(
         config.model_dir, config.resume, is_chief=cluster is None or cluster.is_chief
@@ -168,9 +165,8 @@ def train(config: TrainConfig) -> dict:
         shard_policy=None if hybrid else _shard_policy(config, source, cluster),
     )
     if hybrid and cluster is not None:
-        from tfmulti.hybrid import worker_rows
-
-        # Every worker validates on the whole validation split, so all report the same.
+        # Each worker feeds its own rows of every global batch; every worker validates on
+        # the whole validation split, so all report the same.
         data = dataclasses.replace(data, train=worker_rows(data.train, cluster))
     model = build_compiled_model(
         config, data.info, strategy, _first_inputs(source, config.batch_size), cluster
@@ -184,8 +180,6 @@ def train(config: TrainConfig) -> dict:
     record = RunRecord(output_dir, run, resume_from_epoch=resume_epoch)
     callbacks, nan_guard = standard_callbacks(config, output_dir, record, cluster)
     if hybrid and cluster is not None and not cluster.is_chief:
-        from tfmulti.compat import worker_paths
-
         # No multi-worker strategy scope here, so the compat fix does not redirect them.
         worker_paths.redirect_to_scratch(callbacks, worker_paths.scratch_dir())
     logging.info(
