@@ -9,7 +9,7 @@ import keras
 import pytest
 
 import tfmulti.compat
-from tests.workers.local_cluster import REPO_ROOT, run_local_cluster
+from tests.workers.local_cluster import REPO_ROOT, assert_all_workers_succeeded, run_local_cluster
 from tfmulti.compat import keras_multi_worker, worker_paths
 
 # What the unpatched Keras function does under a real 2-worker strategy today.
@@ -110,8 +110,7 @@ def test_non_chief_callbacks_write_to_scratch_and_resume_from_the_chief_backup(t
 def upstream_probe(tmp_path_factory):
     out = tmp_path_factory.mktemp("probe")
     flags = ["--mode=upstream_probe", f"--out={out}", f"--model_dir={out}"]
-    for returncode, output in run_local_cluster("mwms_worker.py", flags, timeout_seconds=120):
-        assert returncode == 0, output[-3000:]
+    assert_all_workers_succeeded(run_local_cluster("mwms_worker.py", flags, timeout_seconds=240))
     return [json.loads((out / f"worker{rank}.json").read_text()) for rank in range(2)]
 
 

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 from pipeline_runtime_models import Chain
 
-from tests.workers.local_cluster import WORKERS_DIR, run_local_cluster
+from tests.workers.local_cluster import WORKERS_DIR, assert_all_workers_succeeded, run_local_cluster
 from tfmulti.cluster import resolve_cluster
 from tfmulti.hybrid import resolve_hybrid_cluster, worker_rows
 
@@ -29,8 +29,7 @@ def _load_worker_module():
 def worker_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("hybrid_workers")
     flags = ["--mesh=data=2,pipe=2", "--devices=2", "--schedule=zb_h1", f"--out={out}"]
-    for returncode, output in run_local_cluster("hybrid_worker.py", flags, timeout_seconds=150):
-        assert returncode == 0, output[-3000:]
+    assert_all_workers_succeeded(run_local_cluster("hybrid_worker.py", flags, timeout_seconds=240))
     return [json.loads((out / f"worker{rank}.json").read_text()) for rank in range(2)]
 
 

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.workers.local_cluster import WORKERS_DIR, run_local_cluster
+from tests.workers.local_cluster import WORKERS_DIR, assert_all_workers_succeeded, run_local_cluster
 
 
 def load_worker_module():
@@ -46,8 +46,7 @@ def run_workers(tmp_path, devices, epochs=2, model_dir=None):
         f"--out={out}",
         f"--model_dir={model_dir}",
     ]
-    for returncode, output in run_local_cluster("mwms_worker.py", flags, timeout_seconds=120):
-        assert returncode == 0, output[-3000:]
+    assert_all_workers_succeeded(run_local_cluster("mwms_worker.py", flags, timeout_seconds=240))
     return [json.loads((out / f"worker{rank}.json").read_text()) for rank in range(2)], model_dir
 
 

@@ -42,7 +42,7 @@ def test_hybrid_script_across_two_workers_trains_like_one_device_with_chief_only
         "--mesh=data=2,pipe=2",
         "--microbatches=2",
         "--schedule=zb_h1",
-        "--collective_timeout=60",
+        "--collective_timeout=120",
         f"--model_dir={model_dir}",
     )
     assert returncode == 0, output[-3000:]

@@ -49,7 +49,7 @@ def main():
     cluster = cluster_lib.resolve_cluster()
     configure_logical_devices(args.devices, device_type="CPU")
     cluster_lib.build_multi_worker_strategy(
-        cluster, communication="ring", timeout_seconds=60, connect_timeout_seconds=60
+        cluster, communication="ring", timeout_seconds=120, connect_timeout_seconds=150
     )
 
     import keras
@@ -66,7 +66,7 @@ def main():
         args.schedule,
         cluster=cluster,
         communication="ring",
-        collective_timeout=60,
+        collective_timeout=120,
     )
     model.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE), loss="mse")
     batches = training_batches()

@@ -41,3 +41,13 @@ def run_local_cluster(script, args, num_workers=2, timeout_seconds=120):
                 pass
             process.wait()
     return results
+
+
+def assert_all_workers_succeeded(results) -> None:
+    """Fails with the output tail of every worker that exited non-zero."""
+    failures = [
+        f"worker {rank} exited with {returncode}:\n{output[-2500:]}"
+        for rank, (returncode, output) in enumerate(results)
+        if returncode != 0
+    ]
+    assert not failures, "\n\n".join(failures)

@@ -117,7 +117,7 @@ def main():
         cpu, [tf.config.LogicalDeviceConfiguration()] * args.devices
     )
     strategy = cluster_lib.build_multi_worker_strategy(
-        cluster, communication="ring", timeout_seconds=60, connect_timeout_seconds=60
+        cluster, communication="ring", timeout_seconds=120, connect_timeout_seconds=150
     )
     if args.mode == "train":
         result = train(strategy, cluster, args.model_dir, args.epochs)
