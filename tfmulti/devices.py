@@ -77,6 +77,22 @@ def logical_device_names(device_type: str | None = None) -> list[str]:
     return [device.name for device in tf.config.list_logical_devices(device_type)]
 
 
+def first_logical_devices(count: int, purpose: str) -> list[str]:
+    """The first `count` logical accelerator (or CPU) devices, or a ValueError naming the fix.
+
+    Args:
+        count: how many devices are needed.
+        purpose: what needs them, for the message, e.g. "--num_stages=4".
+    """
+    available = logical_device_names()
+    if count > len(available):
+        raise ValueError(
+            f"{purpose} needs {count} devices but only {len(available)} exist "
+            f"({available}); ask for fewer or make more logical devices (--virtual_devices)."
+        )
+    return available[:count]
+
+
 def variable_device(variable) -> str:
     """The device that holds `variable`'s storage (a Keras or a TensorFlow variable).
 

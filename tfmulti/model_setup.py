@@ -16,7 +16,7 @@ from models import registry
 from tfmulti.cluster import ClusterInfo, build_multi_worker_strategy, resolve_cluster
 from tfmulti.config import TrainConfig
 from tfmulti.data import DataInfo
-from tfmulti.devices import logical_device_names
+from tfmulti.devices import first_logical_devices
 from tfmulti.names import HYBRID_STRATEGY_NAME, STAGED_STRATEGY_NAMES
 from tfmulti.pipeline.runtime.optimizer_placement import place_optimizer_on_variable_devices
 from tfmulti.strategy import get_strategy
@@ -127,7 +127,6 @@ def build_tensor_parallel_model(config: TrainConfig, info: DataInfo) -> keras.Mo
         info.num_classes,
         config.seed,
         tensor_parallel=config.tensor_parallel,
-        tensor_parallel_devices=_stage_devices(config.tensor_parallel),
         **config.model_options,
     )
 
@@ -141,22 +140,12 @@ def build_placed_model(config: TrainConfig, info: DataInfo, sample_x: np.ndarray
     )
     placed, _ = place_reference_model(
         model,
-        _stage_devices(config.num_stages),
+        first_logical_devices(config.num_stages, f"--num_stages={config.num_stages}"),
         config.placement,
         sample_input=sample_x,
         print_fn=logging.info,
     )
     return placed
-
-
-def _stage_devices(num_stages: int) -> list[str]:
-    devices = logical_device_names()
-    if num_stages > len(devices):
-        raise ValueError(
-            f"--num_stages={num_stages} needs {num_stages} devices but "
-            f"{len(devices)} exist; lower --num_stages or raise --virtual_devices."
-        )
-    return devices[:num_stages]
 
 
 def _reference_blocks(config: TrainConfig, info: DataInfo) -> list[keras.layers.Layer]:
@@ -210,7 +199,7 @@ def build_staged_model(config: TrainConfig, info: DataInfo, sample_x: np.ndarray
     num_microbatches = config.microbatches if pipelined else 1
     schedule = config.schedule if pipelined else "model_parallel"
     chunks = config.chunks if pipelined else 1
-    devices = _stage_devices(config.num_stages)
+    devices = first_logical_devices(config.num_stages, f"--num_stages={config.num_stages}")
     _check_batch_splits(
         config.batch_size, num_microbatches, f"{num_microbatches} micro-batches (--microbatches)"
     )

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from tfmulti.devices import logical_device_names
+from tfmulti.devices import first_logical_devices, logical_device_names
 
 
 def device_key(device: str) -> tuple[str, int]:
@@ -35,13 +35,7 @@ def resolve_shard_devices(
     if devices is None:
         if num_shards is None or num_shards < 1:
             raise ValueError(f"Give devices, or num_shards >= 1. Received: num_shards={num_shards}")
-        if num_shards > len(available):
-            raise ValueError(
-                f"Splitting {num_shards} ways needs {num_shards} devices but only "
-                f"{len(available)} exist ({available}); split fewer ways or make more "
-                f"logical devices (--virtual_devices). Received: num_shards={num_shards}"
-            )
-        return available[:num_shards]
+        return first_logical_devices(num_shards, f"Splitting {num_shards} ways")
     if isinstance(devices, str):
         devices = [name for name in devices.split(",") if name]
     devices = list(devices)
