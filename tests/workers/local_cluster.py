@@ -18,6 +18,8 @@ def run_local_cluster(script, args, num_workers=2, timeout_seconds=120):
     for environment in environments:
         environment["TF_CPP_MIN_LOG_LEVEL"] = "2"
         environment["PYTHONPATH"] = REPO_ROOT
+        # A native crash (SIGSEGV, SIGABRT) prints every thread's Python stack.
+        environment["PYTHONFAULTHANDLER"] = "1"
         processes.append(
             subprocess.Popen(
                 [sys.executable, os.path.join(WORKERS_DIR, script), *args],
