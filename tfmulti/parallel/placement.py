@@ -15,12 +15,9 @@ from collections.abc import Callable, Mapping, Sequence
 import keras
 import tensorflow as tf
 
-from tfmulti.devices import logical_device_names, variable_device
-from tfmulti.parallel.placement_graph import (
-    functional_view,
-    graph_units,
-    unit_blocks,
-)
+from tfmulti.devices import logical_device_names
+from tfmulti.model_graph import functional_view
+from tfmulti.parallel.placement_graph import graph_units, unit_blocks
 from tfmulti.parallel.placement_map import (
     BALANCE_POLICIES,
     assign_balanced,
@@ -31,6 +28,7 @@ from tfmulti.parallel.placement_map import (
 )
 from tfmulti.parallel.placement_summary import LayerPlacement, PlacementSummary
 from tfmulti.pipeline.runtime.optimizer_placement import place_optimizer_on_variable_devices
+from tfmulti.variable_moves import move_variable
 
 # Each unit runs in a name scope carrying its device index; TensorFlow names a gradient op
 # after its forward op's scope, which is how backward ops find their unit's device.
@@ -225,19 +223,7 @@ def place_reference_model(
 def _move_variables(units, unit_devices, devices) -> None:
     moved = set()
     for unit in units:
-        device = devices[unit_devices[unit.name]]
         for variable in getattr(unit.operation, "variables", ()):
-            if id(variable) in moved:
-                continue
-            moved.add(id(variable))
-            if _same_device(variable_device(variable), device):
-                continue
-            # Keras re-creates the backing tf.Variable from a value: under this device
-            # scope it lands on `device`, and the Keras variable keeps its identity.
-            with tf.init_scope(), tf.device(device):
-                variable._initialize(tf.identity(variable.value))
-
-
-def _same_device(first: str, second: str) -> bool:
-    first, second = tf.DeviceSpec.from_string(first), tf.DeviceSpec.from_string(second)
-    return (first.device_type, first.device_index) == (second.device_type, second.device_index)
+            if id(variable) not in moved:
+                moved.add(id(variable))
+                move_variable(variable, devices[unit_devices[unit.name]])

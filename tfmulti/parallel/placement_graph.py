@@ -11,9 +11,16 @@ import dataclasses
 from collections.abc import Sequence
 
 import keras
-import numpy as np
 import tensorflow as tf
 
+from tfmulti.model_graph import (
+    RecordedCall,
+    call_graph,
+    count_parameters,
+    output_bytes,
+    state_bytes,
+    variables_restored,
+)
 from tfmulti.pipeline.balance import Block
 
 # Reused so placement and pipeline partitions time blocks the same way.
@@ -40,32 +47,6 @@ class GraphUnit:
         return bool(getattr(self.operation, "variables", ()))
 
 
-def functional_view(model: keras.Model) -> keras.Model:
-    """Returns `model` as a functional model: itself, or a built Sequential's graph.
-
-    Raises:
-        ValueError: the model is subclassed, or a Sequential without a known input shape.
-
-    Example:
-        >>> functional_view(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
-    """
-    if isinstance(model, keras.Sequential):
-        try:
-            return keras.Model(model.inputs[0], model.outputs[0], name=model.name)
-        except (AttributeError, ValueError) as error:
-            raise ValueError(
-                f"Sequential model {model.name!r} has no known input shape, so it has no graph "
-                "to place; start it with keras.Input(shape) or call it on data first."
-            ) from error
-    if not hasattr(model, "_nodes_by_depth"):
-        raise ValueError(
-            "place() walks a functional model's graph; a subclassed model has none. "
-            f"Received: {type(model).__name__} {model.name!r}; build it with "
-            "keras.Model(inputs, outputs) or keras.Sequential."
-        )
-    return model
-
-
 def graph_units(model: keras.Model) -> list[GraphUnit]:
     """Lists the top-level operations of functional `model` in topological order.
 
@@ -73,35 +54,18 @@ def graph_units(model: keras.Model) -> list[GraphUnit]:
         >>> [unit.name for unit in graph_units(model)]
         ['dense', 'dense_1', 'add', 'logits']
     """
+    nodes = call_graph(model).nodes
+    producer_of = {key: node.operation.name for node in nodes for key in node.output_keys}
     producers: dict[str, list[str]] = {}
-    for nodes in model._nodes_by_depth.values():
-        for node in nodes:
-            if node.is_input:
-                continue
-            names = producers.setdefault(node.operation.name, [])
-            for tensor in node.input_tensors:
-                producer = tensor._keras_history.operation
-                if not isinstance(producer, keras.layers.InputLayer):
-                    names.append(producer.name)
+    for node in nodes:
+        producers.setdefault(node.operation.name, []).extend(
+            producer_of[key] for key in node.input_keys if key in producer_of
+        )
     return [
         GraphUnit(operation.name, operation, tuple(dict.fromkeys(producers[operation.name])))
         for operation in model.operations
         if not isinstance(operation, keras.layers.InputLayer)
     ]
-
-
-def count_parameters(operation: keras.Operation) -> int:
-    """Returns the number of trainable values of `operation` (0 for a `keras.ops` call)."""
-    return int(sum(np.prod(v.shape) for v in getattr(operation, "trainable_variables", ())))
-
-
-def state_bytes(operation: keras.Operation) -> float:
-    """Returns the bytes of all of `operation`'s variables, trainable or not."""
-    return float(
-        sum(np.prod(v.shape) * tf.as_dtype(v.dtype).size for v in operation.variables)
-        if hasattr(operation, "variables")
-        else 0.0
-    )
 
 
 def unit_blocks(
@@ -129,8 +93,7 @@ def unit_blocks(
     """
     if sample_input is None:
         return [_block(unit, forward_time=1.0, backward_time=2.0) for unit in units]
-    snapshot = [(variable, variable.numpy()) for variable in model.variables]
-    try:
+    with variables_restored(model):
         calls = _record_calls(model, sample_input)
         blocks = []
         for unit in units:
@@ -140,17 +103,9 @@ def unit_blocks(
                 times = [time_block(call, call.tensors) for call in recorded]
                 forward_time = sum(time[0] for time in times)
                 backward_time = sum(time[1] for time in times)
-            activation_bytes = sum(
-                t.shape.num_elements() * t.dtype.size
-                for call in recorded
-                for t in tf.nest.flatten(call.outputs)
-                if tf.is_tensor(t)
-            )
-            blocks.append(_block(unit, forward_time, backward_time, float(activation_bytes)))
+            activation_bytes = sum(output_bytes(call.outputs) for call in recorded)
+            blocks.append(_block(unit, forward_time, backward_time, activation_bytes))
         return blocks
-    finally:
-        for variable, value in snapshot:
-            variable.assign(value)
 
 
 def _block(unit, forward_time, backward_time, activation_bytes=0.0):
@@ -164,39 +119,14 @@ def _block(unit, forward_time, backward_time, activation_bytes=0.0):
     )
 
 
-class _RecordedCall:
-    """One call of an operation with the arguments it got, callable the way `time_block` calls."""
-
-    def __init__(self, operation, args, kwargs):
-        self.operation = operation
-        self.structure = (args, kwargs)
-        leaves = tf.nest.flatten(self.structure)
-        self.tensor_positions = [i for i, leaf in enumerate(leaves) if tf.is_tensor(leaf)]
-        self.leaves = leaves
-        self.tensors = [leaves[i] for i in self.tensor_positions]
-        self.outputs = None
-
-    @property
-    def trainable_variables(self):
-        return getattr(self.operation, "trainable_variables", [])
-
-    def __call__(self, tensors, training=None):
-        # `training` is already among the recorded keyword arguments of a layer.
-        leaves = list(self.leaves)
-        for position, tensor in zip(self.tensor_positions, tensors, strict=True):
-            leaves[position] = tensor
-        args, kwargs = tf.nest.pack_sequence_as(self.structure, leaves)
-        return self.operation(*args, **kwargs)
-
-
-def _record_calls(model, sample_input) -> dict[str, list[_RecordedCall]]:
-    calls: dict[str, list[_RecordedCall]] = {}
+def _record_calls(model, sample_input) -> dict[str, list[RecordedCall]]:
+    calls: dict[str, list[RecordedCall]] = {}
 
     def recording(operation):
         def call(*args, **kwargs):
             if isinstance(operation, keras.layers.Layer):
                 kwargs["training"] = True
-            recorded = _RecordedCall(operation, args, kwargs)
+            recorded = RecordedCall(operation, args, kwargs)
             recorded.outputs = operation(*args, **kwargs)
             calls.setdefault(operation.name, []).append(recorded)
             return recorded.outputs

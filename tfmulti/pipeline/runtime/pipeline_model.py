@@ -14,16 +14,19 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from tfmulti.pipeline.actions import Schedule
 from tfmulti.pipeline.dependencies import TimedAction
 from tfmulti.pipeline.runtime.executor import ScheduleExecutor, StepResult
+from tfmulti.pipeline.runtime.export import chained_model, input_spec
 from tfmulti.pipeline.runtime.microbatches import (
     check_divisible,
     concat_microbatches,
     split_microbatches,
     static_batch_size,
 )
+from tfmulti.pipeline.runtime.model_stages import stages_from_model
 from tfmulti.pipeline.runtime.optimizer_placement import place_optimizer_on_variable_devices
 from tfmulti.pipeline.runtime.placement import (
     build_stages_on_devices,
     check_stage_placement,
+    move_built_stages,
     resolve_devices,
 )
 from tfmulti.pipeline.runtime.schedule_choice import resolve_schedule
@@ -39,8 +42,10 @@ class PipelineModel(keras.Model):
     `evaluate` and `predict` run the stages in turn on each micro-batch.
 
     Args:
-        stages: unbuilt Keras layers, one per stage; with p devices and v chunks per device,
-            pass p·v stages (stage i runs on device i mod p).
+        stages: Keras layers, one per stage; with p devices and v chunks per device, pass
+            p·v stages (stage i runs on device i mod p). A built stage's variables are
+            moved to its device; an unbuilt one is built there. To cut a whole model into
+            stages, use `PipelineModel.from_model`.
         devices: the p device names, e.g. ["/device:CPU:0", "/device:CPU:1"].
         num_microbatches: micro-batches per training step (m); the batch size must be a
             multiple of it. Must be 1 for "model_parallel".
@@ -84,16 +89,15 @@ class PipelineModel(keras.Model):
         self.stage_devices = [self.devices[d] for d in self.schedule.stage_devices]
         self.remat = _per_stage(remat, len(stages))
         self.stages = stages
-        check_stage_placement(
-            [s for s in stages if s.built],
-            [d for s, d in zip(stages, self.stage_devices, strict=True) if s.built],
-        )
+        move_built_stages(stages, self.stage_devices)
         self._executor = ScheduleExecutor(stages, self.stage_devices, self.schedule, self.remat)
         self._trace_actions = [a for actions in self.schedule.device_actions for a in actions]
         self._tracing = False
         self._train_functions = {}
         # A plain holder: Keras would track a variable attribute as model state.
         self._stamp_holder = types.SimpleNamespace(buffer=None)
+        # The model `from_model` cut (None for a stage list) and the input spec seen first.
+        self._export = types.SimpleNamespace(model=None, input_spec=None)
 
     def compile(self, *args, jit_compile=False, **kwargs):
         """Like `keras.Model.compile`; XLA is refused, since it would merge the devices."""
@@ -220,6 +224,101 @@ class PipelineModel(keras.Model):
         ]
         return sorted(records, key=lambda record: (record.start, record.device))
 
+    @classmethod
+    def from_model(
+        cls,
+        model: keras.Model,
+        devices: Sequence[str],
+        num_microbatches: int = 1,
+        schedule: str | Schedule = "1f1b",
+        chunks: int = 1,
+        partition: str | Sequence[str] = "params",
+        remat: bool | Sequence[bool] = False,
+        sample_input=None,
+        **kwargs,
+    ) -> PipelineModel:
+        """Pipelines a whole functional or Sequential Keras model, cut into p·chunks stages.
+
+        The model's call graph (nested models, such as a KerasHub backbone inside its
+        task, opened) is cut into contiguous stages; whatever a cut crosses travels to the
+        next stage: several tensors, residual streams skipping stages, and integer masks
+        or token ids (which get no gradient). The stages share the model's layers, whose
+        variables move to their stage's device; a weight used by two stages (a tied
+        embedding) stays with the first, gets both stages' gradients summed and is
+        updated once. `to_model()` gives the model back holding the trained weights.
+
+        Args:
+            model: a functional model (KerasHub tasks included) or a Sequential, built
+                or not (an unbuilt Sequential needs `sample_input`).
+            devices: the p device names.
+            num_microbatches: micro-batches per training step.
+            schedule: as for `PipelineModel`; with chunks > 1, "interleaved_1f1b".
+            chunks: stages per device (v).
+            partition: "uniform", "params", "time", "memory" (the last two measure on
+                `sample_input`), or the names of the layers where stages 1.. begin.
+            remat: as for `PipelineModel`.
+            sample_input: one micro-batch of model input, for "time" and "memory".
+            **kwargs: passed to `keras.Model` (e.g. `name`).
+
+        Example:
+            >>> pipe = PipelineModel.from_model(model, ["/gpu:0", "/gpu:1"], 8, "1f1b")
+            >>> pipe.compile(optimizer="adam", loss="mse")
+            >>> pipe.fit(x, y, batch_size=64)  # doctest: +SKIP
+            >>> pipe.save("model.keras")  # the plain model, loadable without tfmulti
+        """
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks must be an integer >= 1. Received: chunks={chunks!r}")
+        stages = stages_from_model(
+            model,
+            len(devices) * chunks,
+            partition,
+            num_microbatches,
+            schedule,
+            sample_input,
+        )
+        kwargs.setdefault("name", f"{model.name}_pipeline")
+        pipe = cls(stages, devices, num_microbatches, schedule, remat, **kwargs)
+        pipe._export.model = model
+        return pipe
+
+    def to_model(self) -> keras.Model:
+        """The pipeline as a plain single-device Keras model sharing its weights.
+
+        For `from_model`, the model passed in (its weights are the ones trained, in its
+        own order); for a stage list, the stages chained as a functional model. Save it,
+        or load it elsewhere, to serve on one device.
+
+        Example:
+            >>> pipe.to_model().predict(x)  # doctest: +SKIP
+        """
+        if self._export.model is not None:
+            return self._export.model
+        if self._export.input_spec is None:
+            raise ValueError(
+                f"{self.name!r} has not seen an input yet, so its stages cannot be chained "
+                "into a model. Call it on one batch (or build_stages(x)) first."
+            )
+        return chained_model(self.stages, self._export.input_spec, name=f"{self.name}_chained")
+
+    def save(self, filepath, overwrite=True, **kwargs):
+        """Saves `to_model()`, a plain Keras model that `keras.saving.load_model` loads
+        anywhere, without tfmulti building a pipeline."""
+        self.to_model().save(filepath, overwrite=overwrite, **kwargs)
+
+    def save_weights(self, filepath, overwrite=True, **kwargs):
+        """Like `keras.Model.save_weights`; a `from_model` pipeline writes the file of the
+        model passed in, so it loads into that model on one device, and back."""
+        if self._export.model is None:
+            return super().save_weights(filepath, overwrite=overwrite, **kwargs)
+        return self._export.model.save_weights(filepath, overwrite=overwrite, **kwargs)
+
+    def load_weights(self, filepath, **kwargs):
+        """Like `keras.Model.load_weights`; a `from_model` pipeline reads the file of the
+        model passed in (its variables keep their devices)."""
+        if self._export.model is None:
+            return super().load_weights(filepath, **kwargs)
+        return self._export.model.load_weights(filepath, **kwargs)
+
     def stage_of_variable(self, variable) -> int:
         """Index of the stage that owns `variable`."""
         for index, stage in enumerate(self.stages):
@@ -230,6 +329,8 @@ class PipelineModel(keras.Model):
     def build_stages(self, inputs) -> None:
         """Builds every unbuilt stage on its device for batches like `inputs` (a nest of
         tensors); the first call, fit or run_schedule does it otherwise."""
+        if self._export.input_spec is None:
+            self._export.input_spec = input_spec(inputs)
         if not all(stage.built for stage in self.stages):
             build_stages_on_devices(self.stages, self.stage_devices, inputs)
             check_stage_placement(self.stages, self.stage_devices)

@@ -8,6 +8,7 @@ import keras
 import tensorflow as tf
 
 from tfmulti.devices import variable_device
+from tfmulti.variable_moves import move_variable, same_device
 
 
 def resolve_devices(devices: Sequence[str]) -> list[str]:
@@ -73,22 +74,43 @@ def build_stages_on_devices(
                 spec = stage(spec)
 
 
+def owned_variables(stages: Sequence[keras.layers.Layer]) -> list[list]:
+    """Per stage, its variables that no earlier stage holds: a weight tied between stages
+    (a shared embedding) lives with the first stage that uses it."""
+    seen = set()
+    owned = []
+    for stage in stages:
+        own = [v for v in stage.variables if id(v) not in seen]
+        seen.update(id(v) for v in own)
+        owned.append(own)
+    return owned
+
+
+def move_built_stages(
+    stages: Sequence[keras.layers.Layer], stage_device_names: Sequence[str]
+) -> None:
+    """Moves the variables of every built stage onto its stage's device (unbuilt stages are
+    built there later); a tied weight goes to the first stage that holds it."""
+    for stage, variables, device in zip(
+        stages, owned_variables(stages), stage_device_names, strict=True
+    ):
+        if stage.built:
+            for variable in variables:
+                move_variable(variable, device)
+
+
 def check_stage_placement(
     stages: Sequence[keras.layers.Layer], stage_device_names: Sequence[str]
 ) -> None:
     """Raises ValueError when a stage's variable lives off its stage's device."""
-    for index, (stage, device) in enumerate(zip(stages, stage_device_names, strict=True)):
-        expected = tf.DeviceSpec.from_string(device)
-        for variable in stage.variables:
-            actual = tf.DeviceSpec.from_string(variable_device(variable))
-            if (actual.device_type, actual.device_index) != (
-                expected.device_type,
-                expected.device_index,
-            ):
+    for index, (variables, device) in enumerate(
+        zip(owned_variables(stages), stage_device_names, strict=True)
+    ):
+        for variable in variables:
+            if not same_device(variable_device(variable), device):
                 raise ValueError(
                     f"Stage {index}'s variable {variable.path!r} is on "
-                    f"{variable_device(variable)}, "
-                    f"not on its stage device {device}: the stage was built before the "
-                    "pipeline placed it. Pass unbuilt layers (the pipeline builds them), or "
-                    f"build stage {index} under `tf.device({device!r})`."
+                    f"{variable_device(variable)}, not on its stage device {device}: it was "
+                    "created after the pipeline placed its stage. Build the stage before "
+                    f"making the pipeline, or build it under `tf.device({device!r})`."
                 )
