@@ -249,13 +249,6 @@ def test_wrong_number_of_partition_boundaries_names_the_stage_count():
         )
 
 
-def test_batch_that_does_not_split_into_replicas_and_microbatches_is_refused():
-    hybrid = _hybrid(lambda: dense_stages(2), "data=2,pipe=2", 4, "1f1b")
-    hybrid.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError, match=r"12 rows cannot be split into 2 replicas x 4"):
-        hybrid.train_on_batch(*regression_batches(1, 12)[0])
-
-
 def test_global_clipnorm_and_xla_are_refused_at_compile():
     hybrid = _hybrid(lambda: dense_stages(2), "data=2,pipe=2", 2, "1f1b")
     with pytest.raises(ValueError, match="Received: global_clipnorm=1.0"):

@@ -166,14 +166,6 @@ def test_model_parallel_runs_the_whole_batch_through_the_stages_in_turn():
     assert max_weight_difference(model, reference) < 1e-6
 
 
-def test_error_names_a_batch_not_divisible_by_num_microbatches():
-    model = PipelineModel(dense_stages(2), _devices(2), 4, "1f1b")
-    model.compile(optimizer="sgd", loss="mse")
-    x, y = regression_batches(1, 10)[0]
-    with pytest.raises(ValueError, match="10 rows cannot be split into num_microbatches=4"):
-        model.train_on_batch(x, y)
-
-
 @pytest.mark.parametrize(
     "num_stages, num_devices, num_microbatches, schedule, message",
     [

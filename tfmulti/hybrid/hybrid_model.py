@@ -13,10 +13,11 @@ from tfmulti.devices import variable_device
 from tfmulti.hybrid.worker_collectives import WorkerCollectives
 from tfmulti.pipeline.actions import Schedule
 from tfmulti.pipeline.runtime.executor import add_gradients
+from tfmulti.pipeline.runtime.loss_shares import BatchTotals, batch_totals
 from tfmulti.pipeline.runtime.microbatches import (
     concat_microbatches,
+    microbatch_sizes,
     split_microbatches,
-    static_batch_size,
 )
 from tfmulti.pipeline.runtime.optimizer_placement import place_optimizer_on_variable_devices
 from tfmulti.pipeline.runtime.pipeline_model import PipelineModel
@@ -26,14 +27,15 @@ class HybridPipelineModel(keras.Model):
     """A pipelined model copied into data-parallel replicas that train as one model.
 
     Each local replica is a `PipelineModel` on its own devices. A training step splits the
-    batch into one equal part per local replica; each replica runs the pipeline schedule on
-    its part in `num_microbatches` micro-batches; each variable's gradient is averaged over
-    the replicas (on replica 0's device for it, then over workers with
-    `worker_collectives`), and every copy applies the same update, so copies stay equal
-    and the step equals one-device training on the whole batch. Float non-trainable state
-    (BatchNorm statistics) is averaged over the replicas after each step. Each copy keeps
-    its own optimizer slots on its own devices. `evaluate` and `predict` split the batch over the
-    local replicas.
+    batch, of any size, into one part per local replica, differing by at most one row; each
+    replica runs the pipeline schedule on its part in `num_microbatches` micro-batches,
+    each micro-batch's loss weighted by its share of the rows of the whole step (summed
+    over workers with `worker_collectives`); each variable's gradient is summed over the
+    replicas (on replica 0's device for it, then over workers), and every copy applies the
+    same update, so copies stay equal and the step equals one-device training on the whole
+    batch. Float non-trainable state (BatchNorm statistics) is averaged over the replicas
+    after each step. Each copy keeps its own optimizer slots on its own devices. `evaluate`
+    and `predict` split the batch over the local replicas.
 
     Args:
         make_stages: returns a new list of unbuilt stages, the same model at every call;
@@ -111,10 +113,8 @@ class HybridPipelineModel(keras.Model):
         self.built = True
 
     def call(self, inputs, training=None):
-        parts = self._replica_parts(inputs)
-        self._build_replicas(parts[0])
-        if len(parts) == 1:
-            return self.replicas[0](inputs, training=training)
+        self._build_replicas(inputs)
+        parts = split_microbatches(inputs, microbatch_sizes(inputs, len(self.replicas)))
         return concat_microbatches(
             [
                 replica(part, training=training)
@@ -124,22 +124,22 @@ class HybridPipelineModel(keras.Model):
 
     def train_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        self._check_batch(x)
-        x_parts = split_microbatches(x, len(self.replicas))
-        y_parts = split_microbatches(y, len(self.replicas))
-        weight_parts = split_microbatches(sample_weight, len(self.replicas))
-        self._build_replicas(x_parts[0])
+        self._build_replicas(x)
+        sizes = microbatch_sizes(x, len(self.replicas))
+        x_parts = split_microbatches(x, sizes)
+        y_parts = split_microbatches(y, sizes)
+        weight_parts = split_microbatches(sample_weight, sizes)
+        totals = self._step_totals(batch_totals(x, sample_weight))
         results = [
-            replica.run_schedule(x_part, y_part, weight_part, loss_model=self)
+            replica.run_schedule(x_part, y_part, weight_part, loss_model=self, totals=totals)
             for replica, x_part, y_part, weight_part in zip(
                 self.replicas, x_parts, y_parts, weight_parts, strict=True
             )
         ]
-        gradients = self._averaged_gradients(results)
-        loss = self._averaged_loss(results)
-        batch_size = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+        gradients = self._summed_gradients(results)
+        loss = self._summed_loss(results)
         self._loss_tracker.update_state(
-            loss_module.unscale_loss_for_distribution(loss), sample_weight=batch_size
+            loss_module.unscale_loss_for_distribution(loss), sample_weight=totals.rows
         )
         self.optimizer.apply_gradients(
             (gradient, variable)
@@ -149,23 +149,6 @@ class HybridPipelineModel(keras.Model):
         self._average_state()
         y_pred = concat_microbatches([concat_microbatches(r.outputs) for r in results])
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
-    def _replica_parts(self, inputs) -> list:
-        batch_size = static_batch_size(inputs)
-        if batch_size is not None and batch_size % len(self.replicas) == 0:
-            return split_microbatches(inputs, len(self.replicas))
-        return [inputs]
-
-    def _check_batch(self, x) -> None:
-        batch_size = static_batch_size(x)
-        rows_per_step = len(self.replicas) * self.num_microbatches
-        if batch_size is not None and batch_size % rows_per_step:
-            raise ValueError(
-                f"A batch of {batch_size} rows cannot be split into {len(self.replicas)} "
-                f"replicas x {self.num_microbatches} micro-batches of equal size. Use a "
-                f"batch size that is a multiple of {rows_per_step} on each worker, and "
-                "`drop_remainder=True` when batching the dataset."
-            )
 
     def _build_replicas(self, inputs) -> None:
         """Builds every replica on its devices, then makes every copy equal replica 0's
@@ -189,9 +172,21 @@ class HybridPipelineModel(keras.Model):
                     variable.assign(reference.value)
         self._replicas_synced = True
 
-    def _averaged_gradients(self, results) -> list:
-        """Each variable's gradient averaged over all data replicas, in the order of
-        `replicas[0].trainable_variables`."""
+    def _step_totals(self, local: BatchTotals) -> BatchTotals:
+        """The rows (and sample-weight sum) of the step's batch on every worker together."""
+        if self.worker_collectives is None:
+            return local
+        device = self.replicas[0].stage_devices[-1]
+        with tf.device(device):
+            weight_sum = tf.zeros([]) if local.weight_sum is None else local.weight_sum
+            local_totals = tf.stack([local.rows, weight_sum])
+        totals = self.worker_collectives.sum([local_totals], [device], [self._totals_key()])[0]
+        return BatchTotals(totals[0], None if local.weight_sum is None else totals[1])
+
+    def _summed_gradients(self, results) -> list:
+        """Each variable's gradient summed over all data replicas, in the order of
+        `replicas[0].trainable_variables`; each replica's is already weighted by its share
+        of the step's rows."""
         per_replica = []
         for replica, result in zip(self.replicas, results, strict=True):
             by_variable = {
@@ -199,8 +194,7 @@ class HybridPipelineModel(keras.Model):
             }
             per_replica.append([by_variable[id(v)] for v in replica.trainable_variables])
         devices = [variable_device(v) for v in self.replicas[0].trainable_variables]
-        scale = 1.0 / self.num_data_replicas
-        averaged = []
+        summed = []
         for device, replica_gradients in zip(devices, zip(*per_replica, strict=True), strict=True):
             with tf.device(device):
                 total = replica_gradients[0]
@@ -208,13 +202,13 @@ class HybridPipelineModel(keras.Model):
                     total = add_gradients(total, gradient)
                 if self.worker_collectives is not None:
                     total = tf.convert_to_tensor(total)
-                averaged.append(_scaled(total, scale))
+                summed.append(total)
         if self.worker_collectives is None:
-            return averaged
+            return summed
         # Instance keys after the ones _build_replicas used for the weights.
         first_key = len(self.replicas[0].weights) + 1
         return self.worker_collectives.sum(
-            averaged, devices, keys=range(first_key, first_key + len(averaged))
+            summed, devices, keys=range(first_key, first_key + len(summed))
         )
 
     def _average_state(self) -> None:
@@ -241,22 +235,19 @@ class HybridPipelineModel(keras.Model):
             for variable in copies:
                 variable.assign(mean)
 
-    def _loss_key(self) -> int:
-        """The cross-worker instance key of the loss: after the keys of the initial weights
-        (1 to W) and of the gradients (W + 1 to W + T)."""
+    def _totals_key(self) -> int:
+        """The cross-worker instance key of the step's totals: after the keys of the
+        initial weights (1 to W) and of the gradients (W + 1 to W + T)."""
         return len(self.replicas[0].weights) + len(self.replicas[0].trainable_variables) + 1
 
-    def _averaged_loss(self, results) -> tf.Tensor:
-        """The mean loss over every micro-batch of every data replica."""
-        losses = [loss for result in results for loss in result.losses]
-        loss = tf.add_n(losses) / (self.num_microbatches * self.num_data_replicas)
+    def _loss_key(self) -> int:
+        """The cross-worker instance key of the loss, after the totals' key."""
+        return self._totals_key() + 1
+
+    def _summed_loss(self, results) -> tf.Tensor:
+        """The step's loss: every micro-batch's share-weighted loss, over all replicas."""
+        loss = tf.add_n([loss for result in results for loss in result.losses])
         if self.worker_collectives is None:
             return loss
         device = self.replicas[0].stage_devices[-1]
         return self.worker_collectives.sum([loss], [device], keys=[self._loss_key()])[0]
-
-
-def _scaled(gradient, scale: float):
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(gradient.values * scale, gradient.indices, gradient.dense_shape)
-    return gradient * scale

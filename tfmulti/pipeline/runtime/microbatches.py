@@ -1,4 +1,4 @@
-"""Splitting a batch nest into equal micro-batches along axis 0, and joining them back."""
+"""Splitting a batch nest into near-equal micro-batches along axis 0, and joining them back."""
 
 from __future__ import annotations
 
@@ -11,30 +11,65 @@ def static_batch_size(nest) -> int | None:
     return tensors[0].shape[0] if tensors else None
 
 
-def check_divisible(nest, num_microbatches: int) -> None:
-    """Raises ValueError when the batch cannot be cut into `num_microbatches` equal parts."""
+def batch_rows(nest) -> tf.Tensor:
+    """The number of rows of the first tensor in `nest`, as an int32 scalar tensor."""
+    return tf.shape(next(t for t in tf.nest.flatten(nest) if t is not None))[0]
+
+
+def even_sizes(batch_size, num_parts: int):
+    """Sizes of `num_parts` parts of `batch_size` rows, differing by at most one row.
+
+    The first `batch_size % num_parts` parts take one extra row; with fewer rows than
+    parts, the last parts are empty.
+
+    Args:
+        batch_size: a Python int, or an int32 scalar tensor when unknown at trace time.
+        num_parts: how many parts.
+
+    Returns:
+        A list of Python ints for an int `batch_size`, else an int32 tensor of shape
+        [num_parts].
+
+    Example:
+        >>> even_sizes(30, 4)
+        [8, 8, 7, 7]
+    """
+    if isinstance(batch_size, int):
+        base, extra = divmod(batch_size, num_parts)
+        return [base + (index < extra) for index in range(num_parts)]
+    base, extra = batch_size // num_parts, batch_size % num_parts
+    return base + tf.cast(tf.range(num_parts) < extra, tf.int32)
+
+
+def microbatch_sizes(nest, num_microbatches: int):
+    """`even_sizes` of the batch of `nest`: Python ints when its size is known at trace
+    time, else a tensor."""
     batch_size = static_batch_size(nest)
-    if batch_size is not None and batch_size % num_microbatches:
-        nearest = batch_size - batch_size % num_microbatches or num_microbatches
-        raise ValueError(
-            f"A batch of {batch_size} rows cannot be split into num_microbatches="
-            f"{num_microbatches} equal micro-batches. Use a batch size that is a multiple of "
-            f"{num_microbatches} (e.g. {nearest}), or `drop_remainder=True` when batching "
-            "the dataset."
-        )
+    return even_sizes(batch_rows(nest) if batch_size is None else batch_size, num_microbatches)
 
 
-def split_microbatches(nest, num_microbatches: int) -> list:
-    """Cuts every tensor of `nest` into `num_microbatches` equal parts; None stays None."""
+def split_microbatches(nest, sizes) -> list:
+    """Cuts every tensor of `nest` along axis 0 into parts of `sizes` rows; None stays None.
+
+    Args:
+        nest: a tensor, a nest of tensors with the same number of rows, or None.
+        sizes: rows of each part, from `microbatch_sizes` or `even_sizes`.
+
+    Example:
+        >>> x_parts = split_microbatches(x, microbatch_sizes(x, 4))
+    """
+    num_parts = len(sizes) if isinstance(sizes, list) else int(sizes.shape[0])
     if nest is None:
-        return [None] * num_microbatches
-    check_divisible(nest, num_microbatches)
+        return [None] * num_parts
+    if num_parts == 1:
+        return [nest]
     parts = [
-        None if t is None else tf.split(t, num_microbatches, axis=0) for t in tf.nest.flatten(nest)
+        None if t is None else tf.split(t, sizes, num=num_parts, axis=0)
+        for t in tf.nest.flatten(nest)
     ]
     return [
         tf.nest.pack_sequence_as(nest, [None if p is None else p[index] for p in parts])
-        for index in range(num_microbatches)
+        for index in range(num_parts)
     ]
 
 

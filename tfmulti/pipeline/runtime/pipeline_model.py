@@ -15,9 +15,16 @@ from tfmulti.pipeline.actions import Schedule
 from tfmulti.pipeline.dependencies import TimedAction
 from tfmulti.pipeline.runtime.executor import ScheduleExecutor, StepResult
 from tfmulti.pipeline.runtime.export import chained_model, input_spec
+from tfmulti.pipeline.runtime.loss_shares import (
+    BatchTotals,
+    batch_totals,
+    loss_reduction,
+    loss_share,
+)
 from tfmulti.pipeline.runtime.microbatches import (
-    check_divisible,
+    batch_rows,
     concat_microbatches,
+    microbatch_sizes,
     split_microbatches,
     static_batch_size,
 )
@@ -35,11 +42,15 @@ from tfmulti.pipeline.runtime.schedule_choice import resolve_schedule
 class PipelineModel(keras.Model):
     """A Keras model made of stages on several devices, trained by a pipeline schedule.
 
-    Each training step splits the batch into `num_microbatches` equal micro-batches and runs
-    the schedule's forward and backward actions, each device in the schedule's order, in one
-    traced function; gradients are summed over micro-batches so the update equals the
-    full-batch update. Each stage's variables and optimizer slots live on its device.
-    `evaluate` and `predict` run the stages in turn on each micro-batch.
+    Each training step splits the batch, of any size, into `num_microbatches` micro-batches
+    differing by at most one row (with fewer rows than micro-batches, the last ones are
+    empty) and runs the schedule's forward and backward actions, each device in the
+    schedule's order, in one traced function; each micro-batch's loss is weighted by its
+    share of the batch's rows (or sample weights, for "mean_with_sample_weight" losses), so
+    the summed gradients and the loss equal the full batch's. Each stage's variables and
+    optimizer slots live on its device. `evaluate` and `predict` run the stages in turn on
+    each micro-batch. Layers that update state from batch statistics (BatchNorm) see every
+    micro-batch, so an empty one gives them NaN statistics.
 
     Args:
         stages: Keras layers, one per stage; with p devices and v chunks per device, pass
@@ -47,8 +58,8 @@ class PipelineModel(keras.Model):
             moved to its device; an unbuilt one is built there. To cut a whole model into
             stages, use `PipelineModel.from_model`.
         devices: the p device names, e.g. ["/device:CPU:0", "/device:CPU:1"].
-        num_microbatches: micro-batches per training step (m); the batch size must be a
-            multiple of it. Must be 1 for "model_parallel".
+        num_microbatches: micro-batches per training step (m); any batch size works.
+            Must be 1 for "model_parallel".
         schedule: "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "model_parallel"
             (no micro-batching, one device busy at a time), schedule text, or a `Schedule`.
         remat: recompute each stage's forward in its backward instead of keeping its
@@ -117,9 +128,7 @@ class PipelineModel(keras.Model):
 
     def call(self, inputs, training=None):
         self.build_stages(inputs)
-        batch_size = static_batch_size(inputs)
-        splittable = batch_size is not None and batch_size % self.num_microbatches == 0
-        parts = split_microbatches(inputs, self.num_microbatches) if splittable else [inputs]
+        parts = split_microbatches(inputs, microbatch_sizes(inputs, self.num_microbatches))
         outputs = []
         for part in parts:
             for stage, device in zip(self.stages, self.stage_devices, strict=True):
@@ -131,10 +140,9 @@ class PipelineModel(keras.Model):
     def train_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         result = self.run_schedule(x, y, sample_weight)
-        loss = tf.add_n(result.losses) / self.num_microbatches
-        batch_size = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+        loss = tf.add_n(result.losses)
         self._loss_tracker.update_state(
-            loss_module.unscale_loss_for_distribution(loss), sample_weight=batch_size
+            loss_module.unscale_loss_for_distribution(loss), sample_weight=batch_rows(x)
         )
         self.optimizer.apply_gradients(zip(result.gradients, result.variables, strict=True))
         if self._tracing:
@@ -145,29 +153,46 @@ class PipelineModel(keras.Model):
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def run_schedule(
-        self, x, y, sample_weight=None, loss_model: keras.Model | None = None
+        self,
+        x,
+        y,
+        sample_weight=None,
+        loss_model: keras.Model | None = None,
+        totals: BatchTotals | None = None,
     ) -> StepResult:
         """Runs the schedule's forwards and backwards on one batch; applies nothing.
 
         Args:
-            x, y, sample_weight: the batch; it splits into `num_microbatches` parts.
+            x, y, sample_weight: the batch, of any size; it splits into `num_microbatches`
+                parts differing by at most one row.
             loss_model: the compiled model whose loss and optimizer loss scaling each
                 micro-batch uses; default this model. A model that holds several
                 pipelines and applies their gradients itself passes itself.
+            totals: the rows (and sample-weight sum) of the whole batch this one is part
+                of, e.g. over several pipelines; default this batch's.
 
         Returns:
-            A `StepResult`: gradients are of loss / num_microbatches, summed over
+            A `StepResult`: `losses` are each micro-batch's loss times its share of the
+            whole batch (they sum to its loss), gradients their gradients summed over
             micro-batches (times the optimizer's loss scale, if any).
         """
         loss_model = self if loss_model is None else loss_model
+        totals = batch_totals(x, sample_weight) if totals is None else totals
+        reduction = loss_reduction(loss_model)
         self.build_stages(x)
-        check_divisible(x, self.num_microbatches)
-        m = self.num_microbatches
-        x_parts = split_microbatches(x, m)
-        y_parts = split_microbatches(y, m)
-        weight_parts = split_microbatches(sample_weight, m)
+        sizes = microbatch_sizes(x, self.num_microbatches)
+        x_parts = split_microbatches(x, sizes)
+        y_parts = split_microbatches(y, sizes)
+        weight_parts = split_microbatches(sample_weight, sizes)
 
         def microbatch_loss(microbatch, y_pred):
+            if static_batch_size(y_pred) == 0:
+                # Keras leaves the loss of a statically empty batch unreduced, shape (0,).
+                # A sum over no rows is 0 and, unlike a constant, has a gradient to take.
+                empty_loss = tf.add_n(
+                    [tf.reduce_sum(tf.cast(t, tf.float32)) for t in tf.nest.flatten(y_pred)]
+                )
+                return empty_loss, empty_loss
             loss = loss_model._compute_loss(
                 x=x_parts[microbatch],
                 y=y_parts[microbatch],
@@ -175,7 +200,10 @@ class PipelineModel(keras.Model):
                 sample_weight=weight_parts[microbatch],
                 training=True,
             )
-            differentiated = loss / m
+            share = loss_share(reduction, sizes[microbatch], weight_parts[microbatch], totals)
+            # An empty micro-batch counts for nothing, even if its loss is a 0/0 mean.
+            loss = tf.where(share > 0, loss * tf.cast(share, loss.dtype), tf.zeros_like(loss))
+            differentiated = loss
             if loss_model.optimizer is not None:
                 differentiated = loss_model.optimizer.scale_loss(differentiated)
             return loss, differentiated
