@@ -18,6 +18,13 @@ setup(
         "scikit-learn>=1.4",
         "matplotlib>=3.8",
     ],
+    entry_points={
+        "console_scripts": [
+            "tfmulti-train=tfmulti.cli.train:main",
+            "tfmulti-launch=tfmulti.cli.launch:main",
+            "tfmulti-plan=tfmulti.cli.plan:main",
+        ],
+    },
     extras_require={
         "gpu": ["tensorflow[and-cuda]>=2.20,<2.22"],
         "dev": [
@@ -26,6 +33,7 @@ setup(
             "pytest-timeout>=2.3",
             "hypothesis>=6.100",
             "ruff>=0.6",
+            "keras-hub>=0.32",
         ],
     },
 )

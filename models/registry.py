@@ -10,6 +10,8 @@ import keras
 
 from models import convnet, mlp, resnet, transformer
 from models.blocks import chain_blocks
+from tfmulti.parallel import TensorParallelModel, has_tensor_parallel_layers
+from tfmulti.user_code import is_function_reference
 
 CLASSIFICATION = "classification"
 LANGUAGE_MODEL = "language_model"
@@ -66,8 +68,11 @@ def check_model_accepts(
 ) -> None:
     """Raises a one-line ValueError when model `name` cannot train on the data described.
 
+    A user's model (`package.module:function`) is not checked here: it meets its data
+    when Keras first calls it.
+
     Args:
-        name: a model in MODEL_NAMES.
+        name: a model in MODEL_NAMES, or package.module:function.
         task: the data's task, "classification" or "language_model"; None skips the check
             (e.g. an npz file not yet read).
         input_shape: shape of one example; None skips the shape check.
@@ -77,6 +82,8 @@ def check_model_accepts(
         Traceback (most recent call last):
         ValueError: Model 'transformer' trains on language_model data ...
     """
+    if is_function_reference(name):
+        return
     spec = model_spec(name)
     if task is not None and task != spec.task:
         suitable = [other for other, other_spec in MODEL_SPECS.items() if other_spec.task == task]
@@ -136,7 +143,8 @@ def build_model(
 
     The model's layers after the input are `build_blocks(...)` in order, with
     the same weights. Outputs are logits (train with `from_logits=True`), in
-    float32 even under a mixed precision policy.
+    float32 even under a mixed precision policy. With `tensor_parallel=K` > 1 it is a
+    `TensorParallelModel`, whose `save` writes the unsplit model.
 
     Args:
         name, input_shape, num_outputs, seed, **options: as for `build_blocks`.
@@ -146,4 +154,6 @@ def build_model(
         >>> model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     """
     blocks = build_blocks(name, input_shape, num_outputs, seed, **options)
-    return chain_blocks(blocks, input_shape, input_dtype=model_spec(name).input_dtype, name=name)
+    model = chain_blocks(blocks, input_shape, input_dtype=model_spec(name).input_dtype, name=name)
+    # Built from split layers, it saves as the same model unsplit, for one device.
+    return TensorParallelModel(model) if has_tensor_parallel_layers(model) else model

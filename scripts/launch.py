@@ -1,64 +1,10 @@
-"""Run a training command as a local multi-worker cluster.
+"""Runs `tfmulti-launch` from a checkout; see tfmulti/cli/launch.py for its flags and examples.
 
-Usage:
-    python scripts/launch.py --num_workers=2 [--devices_per_worker=2] [--max_restarts=1] \
-        -- python scripts/train.py --strategy=multi_worker --model_dir=/tmp/run
+Example:
+    python scripts/launch.py --helpfull
 """
 
-import sys
-
-from absl import app, flags
-
-from tfmulti import launcher
-
-FLAGS = flags.FLAGS
-flags.DEFINE_integer("num_workers", None, "Worker processes to start (>= 1).", lower_bound=1)
-flags.DEFINE_integer(
-    "devices_per_worker",
-    None,
-    "GPUs per worker when GPUs exist (CUDA_VISIBLE_DEVICES slices), else logical CPU "
-    f"devices per worker (sets {launcher.VIRTUAL_DEVICES_ENV}).",
-    lower_bound=1,
-)
-flags.DEFINE_integer(
-    "max_restarts", 0, "Restarts of the whole group after a worker fails.", lower_bound=0
-)
-flags.DEFINE_float(
-    "grace_seconds", 10.0, "Seconds between SIGTERM and SIGKILL when stopping workers."
-)
-flags.mark_flag_as_required("num_workers")
-flags.register_validator(
-    "grace_seconds", lambda value: value > 0, message="--grace_seconds must be > 0, e.g. 10"
-)
-
-
-def parse_flags_or_exit(argv):
-    """Parses flags; a bad flag is reported in one line, without a traceback."""
-    try:
-        return FLAGS(argv)
-    except flags.Error as error:
-        sys.stderr.write(f"launch: {error}\n")
-        sys.exit(2)
-
-
-def main(argv):
-    command = argv[1:]
-    if not command:
-        sys.stderr.write(
-            "launch: give the worker command after --, e.g. "
-            "launch.py --num_workers=2 -- python scripts/train.py --strategy=multi_worker\n"
-        )
-        sys.exit(2)
-    sys.exit(
-        launcher.launch(
-            command,
-            num_workers=FLAGS.num_workers,
-            devices_per_worker=FLAGS.devices_per_worker,
-            max_restarts=FLAGS.max_restarts,
-            grace_seconds=FLAGS.grace_seconds,
-        )
-    )
-
+from tfmulti.cli.launch import main
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags_or_exit)
+    main()

@@ -35,6 +35,8 @@ _LAZY_EXPORTS = {
     "ColumnParallelDense": "tfmulti.parallel",
     "RowParallelDense": "tfmulti.parallel",
     "VocabParallelEmbedding": "tfmulti.parallel",
+    "TensorParallelModel": "tfmulti.parallel",
+    "unsplit_model": "tfmulti.parallel",
     "HybridPipelineModel": "tfmulti.hybrid",
     "parse_mesh": "tfmulti.mesh",
 }

@@ -29,6 +29,7 @@ from tfmulti.data.synthetic import (
     synthetic_tokens,
 )
 from tfmulti.data.tfrecord import RecordData, load_tfrecord, write_tfrecord_examples
+from tfmulti.data.user import StreamData, load_user_dataset
 
 __all__ = [
     "CLASSIFICATION",
@@ -39,6 +40,7 @@ __all__ = [
     "ArrayData",
     "DataInfo",
     "RecordData",
+    "StreamData",
     "TrainingData",
     "array_training_stream",
     "check_dataset_name",
@@ -47,6 +49,7 @@ __all__ = [
     "load_npz",
     "load_source",
     "load_tfrecord",
+    "load_user_dataset",
     "make_datasets",
     "make_datasets_from_source",
     "synthetic_classification",

@@ -9,6 +9,8 @@ from tfmulti.data.info import CLASSIFICATION, LANGUAGE_MODEL, ArrayData
 from tfmulti.data.npz import load_npz
 from tfmulti.data.synthetic import synthetic_classification, synthetic_tokens
 from tfmulti.data.tfrecord import RecordData, load_tfrecord
+from tfmulti.data.user import StreamData, load_user_dataset
+from tfmulti.user_code import is_function_reference
 
 DATASET_NAMES = ("synthetic", "digits", "npz", "tfrecord", "tokens")
 
@@ -31,20 +33,24 @@ _DATASET_OPTIONS = {
 
 
 def dataset_task(name: str) -> str | None:
-    """Returns "classification" or "language_model" for a dataset, None for npz (file decides).
+    """Returns "classification" or "language_model" for a dataset, None where the data
+    decides (npz, and a user's `package.module:function`).
 
     Example:
         >>> dataset_task("tokens")
         'language_model'
     """
     check_dataset_name(name)
-    return _DATASET_TASKS[name]
+    return _DATASET_TASKS.get(name)
 
 
 def check_dataset_name(name: str) -> None:
-    """Raises ValueError unless `name` is one of DATASET_NAMES."""
-    if name not in DATASET_NAMES:
-        raise ValueError(f"Unknown dataset; use one of {list(DATASET_NAMES)}. Received: {name!r}")
+    """Raises ValueError unless `name` is one of DATASET_NAMES or package.module:function."""
+    if name not in DATASET_NAMES and not is_function_reference(name):
+        raise ValueError(
+            f"Unknown dataset; use one of {list(DATASET_NAMES)} or package.module:function. "
+            f"Received: {name!r}"
+        )
 
 
 def load_source(
@@ -57,14 +63,17 @@ def load_source(
     num_classes: int | None = None,
     sequence_length: int | None = None,
     vocab_size: int | None = None,
-) -> ArrayData | RecordData:
-    """Loads a named dataset: ArrayData for all but tfrecord, which gives RecordData.
+) -> ArrayData | RecordData | StreamData:
+    """Loads a dataset: ArrayData for named ones but tfrecord, which gives RecordData.
+
+    A `package.module:function` name calls the user's function (see `tfmulti.data.user`):
+    ArrayData for arrays, StreamData for tf.data datasets.
 
     Options left as None take the dataset's defaults; an option the dataset does
     not use (e.g. vocab_size for digits) is an error rather than silently ignored.
 
     Args:
-        name: one of DATASET_NAMES.
+        name: one of DATASET_NAMES, or package.module:function.
         data_path: the user file (npz) or glob / comma list of files (tfrecord).
         seed: seeds generated data (synthetic, tokens); file splits are fixed.
         num_examples: examples to generate (synthetic, tokens).
@@ -87,13 +96,15 @@ def load_source(
         "vocab_size": vocab_size,
     }
     options = {key: value for key, value in given.items() if value is not None}
-    unused = sorted(set(options) - set(_DATASET_OPTIONS[name]))
+    unused = sorted(set(options) - set(_DATASET_OPTIONS.get(name, ())))
     if unused:
-        accepted = list(_DATASET_OPTIONS[name]) or "no options"
+        accepted = list(_DATASET_OPTIONS.get(name, ())) or "no options"
         raise ValueError(
             f"Dataset {name!r} does not use {unused}; it accepts {accepted}. "
             f"Received: {', '.join(f'{key}={options[key]!r}' for key in unused)}"
         )
+    if is_function_reference(name):
+        return load_user_dataset(name)
     if name in ("npz", "tfrecord") and data_path is None:
         raise ValueError(f"Dataset {name!r} reads a user file; pass data_path. Received: None")
 

@@ -11,6 +11,7 @@ from tfmulti.config import DTYPE_POLICIES, OPTIMIZER_NAMES, TrainConfig
 from tfmulti.launcher import VIRTUAL_DEVICES_ENV
 from tfmulti.names import ALL_REDUCE_NAMES, DATASET_NAMES, MODEL_NAMES, TRAIN_STRATEGY_NAMES
 from tfmulti.pipeline.schedules import SCHEDULE_NAMES
+from tfmulti.user_code import is_function_reference
 
 FLAGS = flags.FLAGS
 PLACEMENT_POLICIES = ("auto", "params", "time", "memory")
@@ -59,8 +60,29 @@ def define_device_flags() -> None:
 
 def define_data_flags() -> None:
     """Model and data flags."""
-    flags.DEFINE_enum("model", "mlp", MODEL_NAMES, "Reference model to train.")
-    flags.DEFINE_enum("dataset", "digits", DATASET_NAMES, "Training data.")
+    flags.DEFINE_string(
+        "model",
+        "mlp",
+        f"Model to train: a reference model ({', '.join(MODEL_NAMES)}) or your own, "
+        "package.module:function returning a keras.Model (called with --model_option).",
+    )
+    flags.register_validator(
+        "model",
+        lambda name: name in MODEL_NAMES or is_function_reference(name),
+        message=f"--model must be one of {list(MODEL_NAMES)} or package.module:function",
+    )
+    flags.DEFINE_string(
+        "dataset",
+        "digits",
+        f"Training data: a named dataset ({', '.join(DATASET_NAMES)}) or your own, "
+        "package.module:function returning a tf.data.Dataset of (x, y) examples, a "
+        "(train, validation) pair of them, (x, y) arrays or ((x, y), (x_val, y_val)).",
+    )
+    flags.register_validator(
+        "dataset",
+        lambda name: name in DATASET_NAMES or is_function_reference(name),
+        message=f"--dataset must be one of {list(DATASET_NAMES)} or package.module:function",
+    )
     flags.DEFINE_string("data_path", None, "File(s) for --dataset=npz or tfrecord.")
     flags.DEFINE_integer("seed", 0, "Seed of weights, data order and dropout.")
     flags.DEFINE_multi_string(
@@ -112,10 +134,19 @@ def define_output_flags() -> None:
         message="--profile_steps must be FIRST,LAST with 1 <= FIRST <= LAST, e.g. 3,5",
     )
     flags.DEFINE_boolean(
-        "resume", False, "Continue the run in --model_dir from its last completed epoch."
+        "resume",
+        False,
+        "Continue the run in --model_dir at the exact step of its newest complete checkpoint "
+        "(implied when scripts/launch.py restarts the workers).",
     )
     flags.DEFINE_integer(
         "keep_checkpoints", 3, "How many epoch checkpoints to keep.", lower_bound=1
+    )
+    flags.DEFINE_integer(
+        "checkpoint_steps",
+        0,
+        "Also save a resumable checkpoint every N steps (0: at epoch ends only).",
+        lower_bound=0,
     )
 
 
@@ -306,6 +337,7 @@ def config_from_flags() -> TrainConfig:
         log_steps=FLAGS.log_steps,
         resume=FLAGS.resume,
         keep_checkpoints=FLAGS.keep_checkpoints,
+        checkpoint_steps=FLAGS.checkpoint_steps,
         worker_hosts=FLAGS.worker_hosts,
         task_index=FLAGS.task_index,
         communication=FLAGS.communication,

@@ -23,6 +23,7 @@ from tfmulti.parallel.sharded_layer import (
     unsplit_weights,
 )
 from tfmulti.parallel.split_dense import ColumnParallelDense, RowParallelDense
+from tfmulti.parallel.unsplit import TensorParallelModel, has_tensor_parallel_layers, unsplit_model
 from tfmulti.parallel.vocab_embedding import VocabParallelEmbedding
 
 __all__ = [
@@ -34,13 +35,16 @@ __all__ = [
     "PlacementSummary",
     "RowParallelDense",
     "TensorParallelLayer",
+    "TensorParallelModel",
     "VocabParallelEmbedding",
     "attend_causally",
     "cross_device_bytes",
+    "has_tensor_parallel_layers",
     "measure_communication",
     "place",
     "place_reference_model",
     "resolve_shard_devices",
     "set_unsplit_weights",
+    "unsplit_model",
     "unsplit_weights",
 ]

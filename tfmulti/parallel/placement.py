@@ -41,7 +41,8 @@ class PlacedModel(keras.Model):
 
     Shares its layers (and so its weights and weight-file layout) with the model it was
     made from. Made by `place`; compile, fit, evaluate, predict, callbacks and
-    save_weights/load_weights work as for any Keras model. Backward ops are placed when
+    save_weights/load_weights work as for any Keras model, and `save("file.keras")` writes
+    the model it was made from (`to_model()`), loadable on one device. Backward ops are placed when
     the step is traced (the default); `run_eagerly=True` runs backward on the default
     device, and XLA (`jit_compile=True`) is refused since it would ignore the devices.
 
@@ -50,6 +51,7 @@ class PlacedModel(keras.Model):
         devices: the devices, in index order.
         unit_devices: device index of each unit, by unit name.
         placement_summary: what went where, for reports.
+        source_model: the model the user placed (e.g. a Sequential); `model` by default.
     """
 
     def __init__(
@@ -58,11 +60,24 @@ class PlacedModel(keras.Model):
         devices: Sequence[str],
         unit_devices: Mapping[str, int],
         placement_summary: PlacementSummary,
+        source_model: keras.Model | None = None,
     ):
         super().__init__(model.input, model.output, name=model.name)
         self.devices = list(devices)
         self.unit_devices = dict(unit_devices)
         self.placement_summary = placement_summary
+        source_model = model if source_model is None else source_model
+        # Held in a closure, out of Keras's attribute tracking, so the weights file keeps
+        # the unplaced model's layout.
+        self._source_model = lambda: source_model
+
+    def to_model(self) -> keras.Model:
+        """The model that was placed: the same layers, so it holds the trained weights."""
+        return self._source_model()
+
+    def save(self, filepath, *args, **kwargs):
+        """Saves `to_model()` (see `keras.Model.save`); it loads and runs on one device."""
+        self.to_model().save(filepath, *args, **kwargs)
 
     def compile(self, *args, jit_compile=False, **kwargs):
         """Like `keras.Model.compile`; the optimizer's slots follow their variables' devices."""
@@ -140,7 +155,7 @@ def place(
         >>> placed = place(model, balance="time", sample_input=x[:32], devices=[0, 1])
         >>> placed.compile(optimizer="adam", loss="mse")
     """
-    model = functional_view(model)
+    source_model, model = model, functional_view(model)
     if (device_map is None) == (balance is None):
         raise ValueError(
             "Give exactly one of device_map (explicit) or balance ("
@@ -189,7 +204,7 @@ def place(
     )
     if print_fn is not None:
         print_fn(str(summary))
-    return PlacedModel(model, devices, unit_devices, summary)
+    return PlacedModel(model, devices, unit_devices, summary, source_model)
 
 
 def place_reference_model(

@@ -1,0 +1,258 @@
+"""Plan how to train a model on N devices: mesh, schedule, micro-batches and stage split.
+
+Measures the model's blocks on this machine (or reads --costs), searches every
+data x pipe x tensor mesh, schedule, micro-batch count and stage split by simulation, and
+prints the best layouts with their predicted step time, bubble and peak memory per
+device, and the `scripts/train.py` flags that run each.
+
+Examples:
+  tfmulti-plan --model=transformer --model_option=num_layers=6 --devices=8
+  tfmulti-plan --devices=4 --memory_per_device=2MiB --save_costs=/tmp/costs.json
+  tfmulti-plan --costs=/tmp/costs.json --devices=8 --json
+  tfmulti-plan --devices=2 --allow_fewer_devices --validate=4   # run them, compare
+
+Assumptions (see docs/planner.md): block times are affine in the micro-batch size;
+devices run independently; every link moves --bandwidth bytes/s (ring all-reduce
+2(n-1)/n x bytes / bandwidth); a tensor-split block computes 1/K of its per-example
+work plus two output all-reduces per pass; memory is parameter state
+(--bytes_per_param per parameter) plus the block outputs kept for the backward.
+"""
+
+import json
+import os
+import re
+import sys
+import tempfile
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import flags  # noqa: E402
+
+from tfmulti.flags.parsing import run_script  # noqa: E402
+from tfmulti.flags.training_flags import define_data_flags, parse_model_option  # noqa: E402
+from tfmulti.planner import Hardware, load_costs, save_costs, search_layouts  # noqa: E402
+from tfmulti.planner.report import (  # noqa: E402
+    format_layouts,
+    format_table,
+    layout_json,
+    layout_row,
+)
+from tfmulti.planner.train_flags import train_flags  # noqa: E402
+from tfmulti.planner.validation import (  # noqa: E402
+    accepts_flags,
+    distinct_layouts,
+    measure_layouts,
+)
+from tfmulti.user_code import is_function_reference  # noqa: E402
+
+FLAGS = flags.FLAGS
+_BYTE_UNITS = {
+    **{"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9},
+    **{"KIB": 2**10, "MIB": 2**20, "GIB": 2**30},
+}
+_BYTES = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+define_data_flags()
+FLAGS.set_default("model", "transformer")
+FLAGS.set_default("dataset", "tokens")
+flags.DEFINE_integer("devices", 8, "Devices to lay the model out on.", lower_bound=1)
+flags.DEFINE_bool("allow_fewer_devices", False, "Also consider meshes over a divisor of --devices.")
+flags.DEFINE_integer("global_batch", 64, "Examples per step over all replicas.", lower_bound=1)
+flags.DEFINE_string(
+    "memory_per_device", None, "Largest bytes a device may hold, e.g. 16GiB, 512MiB, 1e9."
+)
+flags.register_validator(
+    "memory_per_device",
+    lambda text: text is None or _parse_bytes(text) is not None,
+    message="--memory_per_device must be a number of bytes with an optional unit "
+    "(B, KB, MB, GB, KiB, MiB, GiB), e.g. 16GiB",
+)
+flags.DEFINE_float(
+    "bandwidth",
+    10e9,
+    "Bytes per second between two devices (all-reduce, transfers).",
+    lower_bound=1.0,
+)
+flags.DEFINE_float(
+    "bytes_per_param",
+    16.0,
+    "Bytes of parameter state per parameter: 16 = float32 weight, gradient, Adam m and v.",
+    lower_bound=0.0,
+)
+flags.DEFINE_bool(
+    "shared_compute",
+    False,
+    "The devices share one processor (logical devices from --virtual_devices): their work "
+    "does not overlap.",
+)
+flags.DEFINE_string("costs", None, "Read block costs from this JSON cost file; no measuring.")
+flags.DEFINE_string("save_costs", None, "Write the measured block costs to this JSON file.")
+flags.DEFINE_list(
+    "measure_batch_sizes",
+    None,
+    "Two batch sizes to time the blocks at (default: global_batch / 8 and global_batch).",
+)
+flags.DEFINE_integer("measure_rounds", 3, "Timing rounds per block; the fastest counts.", 1)
+flags.DEFINE_integer("top", 5, "Layouts to print.", lower_bound=1)
+flags.DEFINE_integer("max_microbatches", 32, "Largest micro-batch count tried.", lower_bound=1)
+flags.DEFINE_integer("max_chunks", 4, "Largest chunk count for interleaved_1f1b.", lower_bound=2)
+flags.DEFINE_bool("json", False, "Print a JSON object instead of the table.")
+flags.DEFINE_integer(
+    "validate",
+    0,
+    "Also train the best N layouts of different (mesh, schedule) with scripts/train.py "
+    "and print predicted against measured step time.",
+    lower_bound=0,
+)
+flags.DEFINE_integer("validate_repeats", 2, "Runs of each layout; the fastest counts.", 1)
+flags.DEFINE_integer("validate_steps", 20, "Training steps per epoch in --validate.", 1)
+flags.DEFINE_integer(
+    "validate_epochs", 3, "Epochs per --validate run; all after the first are timed.", 2
+)
+flags.DEFINE_string("validate_dir", None, "Where --validate runs write (default: a temp dir).")
+
+
+def _parse_bytes(text: str) -> float | None:
+    match = _BYTES.match(text)
+    if not match or match.group(2).upper() not in _BYTE_UNITS:
+        return None
+    return float(match.group(1)) * _BYTE_UNITS[match.group(2).upper()]
+
+
+def _model_costs():
+    if FLAGS.costs:
+        return load_costs(FLAGS.costs)
+    from tfmulti.planner.measure import measure_model_costs
+
+    if is_function_reference(FLAGS.model):
+        raise ValueError(
+            "The planner measures the reference models' blocks; pass --costs for your own "
+            f"model. Received: --model={FLAGS.model}"
+        )
+    sizes = FLAGS.measure_batch_sizes or [max(1, FLAGS.global_batch // 8), FLAGS.global_batch]
+    costs = measure_model_costs(
+        FLAGS.model,
+        FLAGS.dataset,
+        data_path=FLAGS.data_path,
+        model_options=dict(parse_model_option(option) for option in FLAGS.model_option),
+        batch_sizes=[int(size) for size in sizes],
+        seed=FLAGS.seed,
+        rounds=FLAGS.measure_rounds,
+    )
+    if FLAGS.save_costs:
+        save_costs(costs, FLAGS.save_costs)
+    return costs
+
+
+def _layouts_to_validate(layouts, costs):
+    """The best --validate layouts of different kinds that train.py runs, and the best
+    one-device layout as the baseline when fewer devices are allowed."""
+    runnable = [
+        layout
+        for layout in distinct_layouts(layouts, len(layouts))
+        if accepts_flags(train_flags(layout, costs, FLAGS.global_batch))
+    ]
+    chosen = runnable[: FLAGS.validate]
+    baseline = next((layout for layout in runnable if layout.mesh.num_devices == 1), None)
+    if baseline is not None and baseline not in chosen:
+        chosen.append(baseline)
+    return chosen
+
+
+def _validation_table(measurements) -> str:
+    rows = []
+    for rank, measurement in enumerate(measurements, 1):
+        predicted = layout_row(rank, measurement.layout)
+        measured = measurement.measured_step_time
+        rows.append(
+            (
+                *predicted[:7],
+                f"{1000 * measured:.2f}" if measured is not None else "failed",
+                f"{measured / measurement.layout.step_time:.2f}" if measured else "-",
+            )
+        )
+    columns = ("#", "mesh", "schedule", "m", "v", "split", "predicted ms", "measured ms", "ratio")
+    failures = [
+        f"{rank}: {m.error}" for rank, m in enumerate(measurements, 1) if m.error is not None
+    ]
+    return "\n".join([format_table(rows, columns), *failures])
+
+
+def _plan(argv: list[str]) -> None:
+    del argv
+    costs = _model_costs()
+    hardware = Hardware(
+        bandwidth=FLAGS.bandwidth,
+        bytes_per_param=FLAGS.bytes_per_param,
+        shared_compute=FLAGS.shared_compute,
+        memory_per_device=_parse_bytes(FLAGS.memory_per_device)
+        if FLAGS.memory_per_device
+        else None,
+    )
+    layouts = search_layouts(
+        costs,
+        FLAGS.devices,
+        FLAGS.global_batch,
+        hardware,
+        allow_fewer_devices=FLAGS.allow_fewer_devices,
+        max_microbatches=FLAGS.max_microbatches,
+        max_chunks=FLAGS.max_chunks,
+    )
+    if not layouts:
+        raise ValueError(
+            f"No layout of {FLAGS.devices} devices fits memory_per_device="
+            f"{FLAGS.memory_per_device} with global_batch={FLAGS.global_batch}; raise "
+            "--memory_per_device or --devices, or lower --global_batch."
+        )
+    best = layouts[: FLAGS.top]
+    measurements = []
+    if FLAGS.validate:
+        work_dir = FLAGS.validate_dir or tempfile.mkdtemp(prefix="plan_validate_")
+        measurements = measure_layouts(
+            _layouts_to_validate(layouts, costs),
+            costs,
+            FLAGS.global_batch,
+            work_dir,
+            epochs=FLAGS.validate_epochs,
+            steps_per_epoch=FLAGS.validate_steps,
+            repeats=FLAGS.validate_repeats,
+        )
+    if FLAGS.json:
+        output = {
+            "model": costs.model,
+            "model_options": costs.model_options,
+            "dataset": costs.dataset,
+            "devices": FLAGS.devices,
+            "global_batch": FLAGS.global_batch,
+            "layouts_considered": len(layouts),
+            "layouts": [layout_json(layout, costs, FLAGS.global_batch) for layout in best],
+            "validation": [
+                {
+                    **layout_json(m.layout, costs, FLAGS.global_batch),
+                    "measured_step_time": m.measured_step_time,
+                    "error": m.error,
+                }
+                for m in measurements
+            ],
+        }
+        json.dump(output, sys.stdout, indent=1)
+        print()
+        return
+    print(
+        f"{costs.model} on {FLAGS.devices} devices, global batch {FLAGS.global_batch}: "
+        f"best {len(best)} of {len(layouts)} layouts (mesh = data x pipe x tensor)\n"
+    )
+    print(format_layouts(best, costs, FLAGS.global_batch))
+    if measurements:
+        print(
+            "\nPredicted against measured step time "
+            "(scripts/train.py, fastest epoch after the first):\n"
+        )
+        print(_validation_table(measurements))
+
+
+def main() -> None:
+    """Plans from the command line's flags (the `tfmulti-plan` command)."""
+    from tfmulti.errors import USER_ERRORS
+
+    run_script(_plan, USER_ERRORS)

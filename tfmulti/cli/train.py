@@ -1,0 +1,42 @@
+"""`tfmulti-train`: train a reference model or your own, spread over devices.
+
+Examples:
+    tfmulti-train --strategy=mirrored --virtual_devices=4 --model=convnet \
+        --dataset=digits --batch_size=128 --epochs=5 --model_dir=runs/digits
+    tfmulti-train --strategy=model_parallel --model=my_project.models:small_cnn \
+        --model_option=width=64 --dataset=my_project.data:load --model_dir=runs/mine
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import flags, logging  # noqa: E402
+
+from tfmulti.flags.parsing import run_script  # noqa: E402
+from tfmulti.flags.training_flags import config_from_flags, define_train_flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+define_train_flags()
+
+
+def _train(argv: list[str]) -> None:
+    del argv
+    if FLAGS.virtual_devices:
+        from tfmulti.devices import configure_logical_devices
+
+        configure_logical_devices(FLAGS.virtual_devices)
+    from tfmulti.training import train
+
+    record = train(config_from_flags())
+    final = ", ".join(f"{name}={value:.4f}" for name, value in record["final"].items())
+    logging.info("Final validation: %s", final)
+    print(f"TensorBoard logs: {os.path.join(FLAGS.model_dir, 'logs')}")
+    print(f"Metrics: {os.path.join(FLAGS.model_dir, 'metrics.json')}")
+
+
+def main() -> None:
+    """Runs training from the command line's flags (the `tfmulti-train` command)."""
+    from tfmulti.errors import USER_ERRORS
+
+    run_script(_train, USER_ERRORS)

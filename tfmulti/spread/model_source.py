@@ -1,0 +1,138 @@
+"""What a run trains: a reference model by name, or the model a user's function returns."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import keras
+
+from models import registry
+from tfmulti.config import TrainConfig
+from tfmulti.data import DataInfo
+from tfmulti.user_code import is_function_reference, load_function
+
+
+def default_loss_and_metrics() -> tuple[keras.losses.Loss, list[keras.metrics.Metric]]:
+    """The reference models' loss and metric: logits against integer labels."""
+    return (
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        [keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+    )
+
+
+class ModelSource:
+    """Builds the run's model on demand, once, where the way of spreading it asks.
+
+    Args:
+        name: the `--model` value, named in errors.
+        build_model: returns a new keras.Model.
+        build_blocks: reference models only: returns the model as a fresh list of blocks,
+            with the same weights every call.
+        build_split_model: reference models only: returns the model with its layers split
+            over K devices, given K.
+
+    Example:
+        >>> source = model_source(config, info)
+        >>> with strategy.scope():
+        ...     model = source.model()
+    """
+
+    def __init__(
+        self,
+        name: str,
+        build_model: Callable[[], keras.Model],
+        build_blocks: Callable[[], list[keras.layers.Layer]] | None = None,
+        build_split_model: Callable[[int], keras.Model] | None = None,
+    ):
+        self.name = name
+        self._build_model = build_model
+        self._build_blocks = build_blocks
+        self._build_split_model = build_split_model
+        self._model = None
+
+    @property
+    def is_reference(self) -> bool:
+        """Whether the model is one of tfmulti's reference models (it has a block list)."""
+        return self._build_blocks is not None
+
+    def model(self) -> keras.Model:
+        """The model, built on the first call (so inside whatever scope the caller opened)."""
+        if self._model is None:
+            self._model = self._build_model()
+        return self._model
+
+    def blocks(self) -> list[keras.layers.Layer]:
+        """A fresh block list of a reference model; same weights on every call."""
+        return self._build_blocks()
+
+    def split_model(self, num_shards: int) -> keras.Model:
+        """A reference model with its layers split over `num_shards` devices."""
+        return self._build_split_model(num_shards)
+
+    def loss_and_metrics(self) -> tuple[object, object]:
+        """The loss and metrics to compile with.
+
+        A model the user's function compiled keeps its own loss and metrics (tfmulti's
+        flags choose the optimizer); any other model trains logits against integer labels.
+        """
+        model = self._model
+        if model is None or not getattr(model, "compiled", False) or model.loss is None:
+            return default_loss_and_metrics()
+        compile_config = model.get_compile_config()
+        return (
+            keras.saving.deserialize_keras_object(compile_config["loss"]),
+            keras.saving.deserialize_keras_object(compile_config["metrics"]),
+        )
+
+
+def model_source(config: TrainConfig, info: DataInfo) -> ModelSource:
+    """The `ModelSource` of `config.model` for data described by `info`.
+
+    A `package.module:function` model calls `function(**config.model_options)`;
+    a reference name builds from `models.registry` with `config.seed`.
+    """
+    if is_function_reference(config.model):
+        return _user_source(config.model, config.model_options)
+
+    def build(**extra) -> keras.Model:
+        return registry.build_model(
+            config.model,
+            info.input_shape,
+            info.num_classes,
+            config.seed,
+            **config.model_options,
+            **extra,
+        )
+
+    return ModelSource(
+        config.model,
+        build,
+        build_blocks=lambda: registry.build_blocks(
+            config.model, info.input_shape, info.num_classes, config.seed, **config.model_options
+        ),
+        build_split_model=lambda num_shards: build(tensor_parallel=num_shards),
+    )
+
+
+def _user_source(reference: str, options: dict) -> ModelSource:
+    function = load_function(reference, "--model")
+    try:
+        inspect.signature(function).bind(**options)
+    except TypeError as error:
+        raise ValueError(
+            f"--model={reference} does not take the options given ({error}). "
+            f"Received: --model_option {options}"
+        ) from None
+    except ValueError:
+        pass  # A builtin without a signature: let the call decide.
+
+    def build() -> keras.Model:
+        model = function(**options)
+        if not isinstance(model, keras.Model):
+            raise ValueError(
+                f"--model={reference} must return a keras.Model. Received: {type(model).__name__}"
+            )
+        return model
+
+    return ModelSource(reference, build)
