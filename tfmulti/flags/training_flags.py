@@ -153,6 +153,9 @@ def define_output_flags() -> None:
 def _is_partition_spec(text: str) -> bool:
     from tfmulti.pipeline.balance import parse_partition_spec
 
+    policy, _, names = text.partition(":")
+    if policy == "layers":
+        return all(name.strip() for name in names.split(","))
     try:
         parse_partition_spec(text)
     except ValueError:
@@ -182,13 +185,17 @@ def define_pipeline_flags() -> None:
         "chunks", 1, "Model chunks per device (interleaved_1f1b needs >= 2).", lower_bound=1
     )
     flags.DEFINE_string(
-        "partition", "uniform", "Stage split: uniform, params, time or manual:3,6,9."
+        "partition",
+        "uniform",
+        "Stage split: uniform, params, time, manual:3,6,9 (first block of each later stage "
+        "of a reference model) or layers:NAME,NAME (layers where later stages of your "
+        "--model=module:function begin).",
     )
     flags.register_validator(
         "partition",
         _is_partition_spec,
-        message="--partition must be uniform, params, time or manual:B1,B2,... "
-        "(first block of each later stage)",
+        message="--partition must be uniform, params, time, manual:B1,B2,... "
+        "(first block of each later stage) or layers:NAME,NAME,...",
     )
     flags.DEFINE_boolean("remat", False, "Recompute each stage's forward in its backward.")
     flags.DEFINE_string(

@@ -20,15 +20,31 @@ class Pipeline(DeviceSpread):
 
 def require_blocks(source: ModelSource, config: TrainConfig) -> None:
     """Raises a one-line ValueError for a model that has no block list to cut into stages."""
-    # Connect PipelineModel.from_model here when it lands: it cuts any functional model,
-    # so a user's model will no longer need a block list.
     if not source.is_reference:
         raise ValueError(
             f"--strategy={config.strategy} cuts the reference models' block lists; a model "
-            "from package.module:function cannot be pipelined from the script yet. Use "
-            "--strategy=model_parallel (layer placement) or a data-parallel strategy. "
+            "from package.module:function cannot be spread this way from the script yet. Use "
+            "--strategy=pipeline, model_parallel or a data-parallel strategy. "
             f"Received: --model={source.name}"
         )
+
+
+def model_partition(partition: str) -> str | list[str]:
+    """`--partition` for a whole model: a policy, or "layers:A,B" (layers where stages 1.. begin).
+
+    Example:
+        >>> model_partition("layers:block_2,block_4")
+        ['block_2', 'block_4']
+    """
+    policy, _, names = partition.partition(":")
+    if policy == "layers":
+        return names.split(",")
+    if policy == "manual":
+        raise ValueError(
+            "A model from package.module:function is cut at named layers, not block indices; "
+            f"use --partition=layers:NAME,NAME. Received: --partition={partition}"
+        )
+    return policy
 
 
 def split_blocks(
@@ -64,8 +80,11 @@ def build_staged_model(
 ) -> keras.Model:
     """Splits the model's blocks into stages on devices, in a `PipelineModel`.
 
+    A reference model's blocks are split by `partition_blocks`; any other model is cut
+    by `PipelineModel.from_model`.
+
     Args:
-        source: the run's model; must have a block list.
+        source: the run's model.
         config: the run's settings.
         sample_x: one global batch of inputs, to cost the blocks.
         pipelined: micro-batches on `config.schedule` (True), or one batch through the
@@ -73,7 +92,6 @@ def build_staged_model(
     """
     from tfmulti.pipeline.runtime import PipelineModel, stages_from_blocks
 
-    require_blocks(source, config)
     num_microbatches = config.microbatches if pipelined else 1
     schedule = config.schedule if pipelined else "model_parallel"
     chunks = config.chunks if pipelined else 1
@@ -81,6 +99,22 @@ def build_staged_model(
     check_batch_splits(
         config.batch_size, num_microbatches, f"{num_microbatches} micro-batches (--microbatches)"
     )
+    if not source.is_reference:
+        return PipelineModel.from_model(
+            source.model(),
+            devices,
+            num_microbatches,
+            schedule,
+            chunks=chunks,
+            partition=model_partition(config.partition),
+            remat=config.remat,
+            sample_input=sample_x[: config.batch_size // num_microbatches],
+        )
+    if config.partition.startswith("layers:"):
+        raise ValueError(
+            "Reference models are cut between blocks; use --partition=manual:B1,B2 (block "
+            f"indices). Received: --partition={config.partition}"
+        )
     blocks = source.blocks()
     boundaries = split_blocks(
         config,
