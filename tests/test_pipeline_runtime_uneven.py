@@ -25,6 +25,7 @@ from tfmulti.pipeline.runtime.microbatches import (
     microbatch_sizes,
     split_microbatches,
 )
+from tfmulti.spread import check_batch_splits
 
 ROWS = 100
 
@@ -255,3 +256,9 @@ def test_placed_model_fits_a_partial_last_batch_like_the_unplaced_model():
         rtol=1e-6,
         atol=1e-7,
     )
+
+
+def test_flag_check_refuses_only_a_batch_that_leaves_a_microbatch_without_rows():
+    check_batch_splits(30, 4, "4 micro-batches (--microbatches)")
+    with pytest.raises(ValueError, match=r"Received: batch_size=3; use at least 4\.$"):
+        check_batch_splits(3, 4, "4 micro-batches (--microbatches)")

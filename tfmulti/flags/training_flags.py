@@ -178,7 +178,7 @@ def define_pipeline_flags() -> None:
         "num_stages", 2, "Pipeline depth: devices the stages are spread over.", lower_bound=1
     )
     flags.DEFINE_integer(
-        "microbatches", 4, "Micro-batches per step (the batch must divide).", lower_bound=1
+        "microbatches", 4, "Micro-batches per step; each needs at least one row.", lower_bound=1
     )
     flags.DEFINE_enum("schedule", "1f1b", SCHEDULE_NAMES, "Pipeline schedule.")
     flags.DEFINE_integer(

@@ -80,9 +80,13 @@ class DeviceSpread(Spread):
 
 
 def check_batch_splits(batch_size: int, parts: int, what: str) -> None:
-    """Raises a one-line ValueError unless the global batch splits into `parts` equal rows."""
-    if batch_size % parts:
+    """Raises a one-line ValueError unless the global batch gives each of `parts` a row.
+
+    Pipelines split any batch into near-equal parts; a part that never gets a row would
+    only run empty work every step.
+    """
+    if batch_size < parts:
         raise ValueError(
-            f"The global batch must split into {what}. Received: batch_size={batch_size}; "
-            f"use a multiple of {parts}."
+            f"The global batch must give each of {what} at least one row. Received: "
+            f"batch_size={batch_size}; use at least {parts}."
         )
