@@ -14,8 +14,9 @@ from pipeline_runtime_models import (
     max_weight_difference,
 )
 
+from tfmulti.cluster import resolve_cluster
 from tfmulti.devices import logical_device_names
-from tfmulti.hybrid import HybridPipelineModel
+from tfmulti.hybrid import HybridPipelineModel, worker_rows
 from tfmulti.mesh import parse_mesh
 from tfmulti.parallel import place
 from tfmulti.pipeline.runtime import PipelineModel
@@ -262,3 +263,13 @@ def test_flag_check_refuses_only_a_batch_that_leaves_a_microbatch_without_rows()
     check_batch_splits(30, 4, "4 micro-batches (--microbatches)")
     with pytest.raises(ValueError, match=r"Received: batch_size=3; use at least 4\.$"):
         check_batch_splits(3, 4, "4 micro-batches (--microbatches)")
+
+
+def test_workers_share_a_partial_batch_as_evenly_as_possible_without_losing_a_row():
+    x = np.arange(15, dtype="float32").reshape(15, 1)
+    dataset = tf.data.Dataset.from_tensor_slices((x, -x)).batch(8)
+    shares = [
+        [bx.numpy().ravel().tolist() for bx, _ in worker_rows(dataset, cluster)]
+        for cluster in (resolve_cluster(["h:1", "h:2"], task_index=rank) for rank in (0, 1))
+    ]
+    assert shares == [[[0, 1, 2, 3], [8, 9, 10, 11]], [[4, 5, 6, 7], [12, 13, 14]]]

@@ -9,30 +9,28 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfmulti.cluster import ClusterInfo
+from tfmulti.pipeline.runtime.microbatches import batch_rows, even_sizes
 
 
 def worker_rows(dataset: tf.data.Dataset, cluster: ClusterInfo) -> tf.data.Dataset:
-    """Keeps this worker's contiguous 1/num_workers of the rows of each batch of `dataset`.
+    """Keeps this worker's contiguous share of the rows of each batch of `dataset`.
+
+    Shares differ by at most one row, so any batch splits (a partial last one too); a
+    `HybridPipelineModel` weights each worker's rows by their share of the whole batch.
 
     Args:
-        dataset: batches of the GLOBAL batch size, identical on every worker; the batch
-            must divide by the number of workers (batch with `drop_remainder=True`).
+        dataset: batches of the GLOBAL batch size, identical on every worker.
         cluster: this worker's place in the cluster.
 
     Example:
-        >>> train = worker_rows(dataset.batch(global_batch, drop_remainder=True), cluster)
+        >>> train = worker_rows(dataset.batch(global_batch), cluster)
     """
     num_workers, rank = cluster.num_workers, cluster.task_index
 
     def take_rows(*batch):
-        rows = tf.shape(tf.nest.flatten(batch)[0])[0]
-        tf.debugging.assert_equal(
-            rows % num_workers,
-            0,
-            message=f"Each global batch must split into {num_workers} equal worker shares",
-        )
-        share = rows // num_workers
-        rows_kept = tf.nest.map_structure(lambda t: t[rank * share : (rank + 1) * share], batch)
+        sizes = even_sizes(batch_rows(batch), num_workers)
+        start = tf.reduce_sum(sizes[:rank])
+        rows_kept = tf.nest.map_structure(lambda t: t[start : start + sizes[rank]], batch)
         return rows_kept if len(batch) > 1 else rows_kept[0]
 
     return dataset.map(take_rows)
