@@ -3,11 +3,15 @@
 Everything that imports TensorFlow lives in this subpackage.
 """
 
+from tfmulti.pipeline.runtime.export import chained_model
+from tfmulti.pipeline.runtime.graph_partition import GRAPH_PARTITION_POLICIES, choose_boundaries
+from tfmulti.pipeline.runtime.graph_stages import GraphStage, graph_stages
 from tfmulti.pipeline.runtime.measured import (
     bubble_fraction,
     order_deviations,
     peak_stashed_activations,
 )
+from tfmulti.pipeline.runtime.model_stages import stages_from_model
 from tfmulti.pipeline.runtime.partition import (
     BlockStage,
     measure_blocks,
@@ -23,15 +27,21 @@ from tfmulti.pipeline.runtime.timeline_report import (
 
 __all__ = [
     "BlockStage",
+    "GRAPH_PARTITION_POLICIES",
+    "GraphStage",
     "MODEL_PARALLEL",
     "PipelineModel",
     "PipelineTimelineCallback",
     "bubble_fraction",
+    "chained_model",
+    "choose_boundaries",
+    "graph_stages",
     "measure_blocks",
     "model_parallel_schedule",
     "order_deviations",
     "partition_blocks",
     "peak_stashed_activations",
     "stages_from_blocks",
+    "stages_from_model",
     "write_timeline_report",
 ]
