@@ -184,35 +184,32 @@ def _worker_pid(model_dir: str, rank: int) -> int | None:
     return None
 
 
-def test_sigkilled_worker_restarts_the_group_which_resumes_and_records_each_epoch_once(
-    tmp_path,
-):
+def test_sigkilled_worker_restarts_the_group_which_resumes_the_exact_step_by_itself(tmp_path):
     model_dir = str(tmp_path / "run")
+    flags = (*COMMON, "--epochs=4", "--steps_per_epoch=40", "--checkpoint_steps=10")
     launcher = launch(
         "--num_workers=2",
         "--max_restarts=1",
         "--",
         sys.executable,
         "scripts/train.py",
-        *COMMON,
-        "--epochs=4",
-        "--steps_per_epoch=40",
+        *flags,
         "--strategy=multi_worker",
-        "--resume",
         f"--model_dir={model_dir}",
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
+    # Killed once epoch 2 has a step checkpoint (global step 50 = epoch 2, step 10).
+    mid_epoch_checkpoint = os.path.join(model_dir, "backup", "step-000000050.json")
     deadline = time.monotonic() + 180
     killed = None
     while killed is None and time.monotonic() < deadline and launcher.poll() is None:
-        metrics_path = os.path.join(model_dir, "metrics.json")
-        if os.path.exists(metrics_path) and read_metrics(model_dir)["epochs"]:
+        if os.path.exists(mid_epoch_checkpoint):
             pid = _worker_pid(model_dir, rank=1)
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
                 killed = pid
-        time.sleep(0.05)
+        time.sleep(0.01)
     output, _ = launcher.communicate(timeout=240)
     assert killed is not None, output[-3000:]
     assert launcher.returncode == 0, output[-3000:]
@@ -223,3 +220,13 @@ def test_sigkilled_worker_restarts_the_group_which_resumes_and_records_each_epoc
     metrics = read_metrics(model_dir)
     assert metrics["status"] == "completed"
     assert [epoch["epoch"] for epoch in metrics["epochs"]] == [1, 2, 3, 4]
+    (resume,) = metrics["resumes"]
+    assert resume["epoch"] == 2 and resume["step"] in (10, 20, 30)
+    assert f"Resuming at epoch 2, step {resume['step']}" in after_restart
+
+    reference_dir = str(tmp_path / "one_device")
+    reference = run_script(
+        "train.py", *flags, "--strategy=one_device", f"--model_dir={reference_dir}"
+    )
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert_same_training(metrics, read_metrics(reference_dir))

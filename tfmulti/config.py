@@ -37,6 +37,7 @@ class TrainConfig:
     log_steps: int = 50
     resume: bool = False
     keep_checkpoints: int = 3
+    checkpoint_steps: int = 0
     worker_hosts: list[str] | None = None
     task_index: int | None = None
     communication: str = "auto"

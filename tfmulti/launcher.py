@@ -23,6 +23,8 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
+from tfmulti.names import RESTART_COUNT_VARIABLE
+
 VIRTUAL_DEVICES_ENV = "TFMULTI_VIRTUAL_DEVICES"
 _POLL_SECONDS = 0.05
 _PR_SET_PDEATHSIG = 1
@@ -252,7 +254,9 @@ def launch(
         command: the worker command, e.g. ["python", "scripts/train.py", "--strategy=multi_worker"].
         num_workers: workers to start.
         devices_per_worker: GPUs or logical CPU devices per worker (see `worker_environments`).
-        max_restarts: how many times the whole group restarts, on fresh ports, after a failure.
+        max_restarts: how many times the whole group restarts, on fresh ports, after a failure;
+            each worker sees the attempt number in `TFMULTI_RESTART_COUNT`, and
+            `scripts/train.py` resumes its run when it is above 0.
         grace_seconds: time between SIGTERM and SIGKILL when stopping workers.
         stream: where workers' prefixed output goes; default sys.stdout.
         messages: where the launcher's own messages go; default sys.stderr.
@@ -288,6 +292,8 @@ def launch(
             environments = worker_environments(num_workers, devices_per_worker, num_gpus)
             for environment in environments:
                 environment["TMPDIR"] = scratch_root
+                # As torchrun's restart count: a restarted worker knows to resume its run.
+                environment[RESTART_COUNT_VARIABLE] = str(attempt)
             group = WorkerGroup(command, environments, stream)
             failure = group.wait(should_stop)
             group.stop(grace_seconds)

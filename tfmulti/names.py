@@ -10,3 +10,5 @@ TRAIN_STRATEGY_NAMES = STRATEGY_NAMES + STAGED_STRATEGY_NAMES + (HYBRID_STRATEGY
 ALL_REDUCE_NAMES = ("auto", "nccl", "hierarchical_copy", "reduce_to_one_device")
 MODEL_NAMES = ("mlp", "convnet", "resnet", "transformer")
 DATASET_NAMES = ("synthetic", "digits", "npz", "tfrecord", "tokens")
+# Set by scripts/launch.py on every worker: 0 on the first start, then the restart number.
+RESTART_COUNT_VARIABLE = "TFMULTI_RESTART_COUNT"

@@ -8,6 +8,8 @@ Keys:
         resumes: {"epoch", "loss", metric names, "val_loss", "val_<metric>",
         "learning_rate", "examples_per_sec", "step_time_ms", "epoch_seconds"}.
     final: the last evaluation on the validation data ({"loss", metrics}).
+    resumes: one record per resume: {"epoch" (1-based), "step" (steps of that epoch
+        already trained), "checkpoint", "time" (seconds since the epoch, UTC)}.
 """
 
 from __future__ import annotations
@@ -35,18 +37,34 @@ class RunRecord:
         directory: where `metrics.json` is written (None: keep in memory only,
             as non-chief workers do).
         run: the run's settings, stored under "run".
-        resume_from_epoch: epochs before this one are kept from an existing
-            file; later ones are dropped, since they will be trained again.
+        resume_from_epoch: when resuming, epochs up to this one are kept from an
+            existing file; later ones are dropped, since they will be trained again.
+            None for a fresh run.
     """
 
-    def __init__(self, directory: str | None, run: dict, resume_from_epoch: int = 0):
+    def __init__(self, directory: str | None, run: dict, resume_from_epoch: int | None = None):
         self.path = os.path.join(directory, METRICS_FILE) if directory else None
-        epochs = []
-        if resume_from_epoch and self.path and os.path.exists(self.path):
+        epochs, resumes = [], []
+        if resume_from_epoch is not None and self.path and os.path.exists(self.path):
             with open(self.path) as handle:
-                epochs = [e for e in json.load(handle)["epochs"] if e["epoch"] <= resume_from_epoch]
-        self.record = {"run": run, "status": "running", "failure": None, "epochs": epochs}
+                previous = json.load(handle)
+            epochs = [e for e in previous["epochs"] if e["epoch"] <= resume_from_epoch]
+            resumes = previous.get("resumes", [])
+        self.record = {
+            "run": run,
+            "status": "running",
+            "failure": None,
+            "epochs": epochs,
+            "resumes": resumes,
+        }
         self.record["final"] = {}
+        self.write()
+
+    def add_resume(self, epoch: int, step: int, checkpoint: str, when: float) -> None:
+        """Notes that the run resumed `step` steps into `epoch` (1-based) from `checkpoint`."""
+        self.record["resumes"].append(
+            {"epoch": epoch, "step": step, "checkpoint": checkpoint, "time": when}
+        )
         self.write()
 
     def add_epoch(self, epoch: int, logs: dict) -> None:

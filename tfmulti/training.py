@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
+import time
 
 import keras
 from absl import logging
@@ -25,38 +25,52 @@ from tfmulti.model_setup import (
     make_strategy,
     resolve_run_cluster,
 )
-from tfmulti.names import HYBRID_STRATEGY_NAME
+from tfmulti.names import HYBRID_STRATEGY_NAME, RESTART_COUNT_VARIABLE
 from tfmulti.profiling import ProfileSteps
 from tfmulti.run_record import METRICS_FILE, RecordEpochs, RunRecord
+from tfmulti.step_checkpoint import (
+    ResumePoint,
+    ResumeRun,
+    StepCheckpoint,
+    find_resume_point,
+)
 from tfmulti.strategy import per_replica_batch_size
 
 
-def check_model_dir(model_dir: str, resume: bool, is_chief: bool = True) -> int:
-    """Returns the epoch a resumed run restarts after (0 for a fresh run).
+def restarted_by_launcher() -> bool:
+    """Whether `scripts/launch.py` (or a manager that sets the same variable) restarted us."""
+    return int(os.environ.get(RESTART_COUNT_VARIABLE, "0") or 0) > 0
+
+
+def resume_directory(model_dir: str) -> str:
+    """Where the chief keeps the run's step checkpoints, which every worker resumes from."""
+    return os.path.join(model_dir, "backup")
+
+
+def check_model_dir(model_dir: str, resume: bool, is_chief: bool = True) -> ResumePoint | None:
+    """Returns the checkpoint a resumed run continues from (None for a fresh start).
 
     The chief refuses to reuse a directory that already holds a run unless
     `resume` is set, so nothing written before is overwritten by accident
     (other workers may see the chief's new files, so they do not check).
     """
-    backup_metadata = os.path.join(model_dir, "backup", "training_metadata.json")
     has_run = os.path.exists(os.path.join(model_dir, METRICS_FILE))
     if has_run and not resume and is_chief:
         raise ValueError(
             f"--model_dir={model_dir} already holds a run. Pass --resume to continue it "
             "or choose a new --model_dir."
         )
-    if resume and os.path.exists(backup_metadata):
-        with open(backup_metadata) as handle:
-            return int(json.load(handle)["epoch"])
-    return 0
+    if not resume:
+        return None
+    return find_resume_point(resume_directory(model_dir), report=logging.warning)
 
 
 def _batch_hooks_idle(callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
     """Lets Keras run `callback`'s batch hooks off the step loop.
 
     Keras waits for each step's results whenever a callback without
-    `async_safe` has a batch-end hook. BackupAndRestore saving per epoch and
-    TensorBoard writing per epoch do nothing in theirs, so the wait is pure loss.
+    `async_safe` has a batch-end hook. TensorBoard writing per epoch does nothing
+    in its, so the wait is pure loss.
     """
     callback.async_safe = True
     return callback
@@ -66,27 +80,30 @@ def standard_callbacks(
     config: TrainConfig,
     output_dir: str,
     record: RunRecord,
+    steps_per_epoch: int,
     cluster: ClusterInfo | None = None,
+    resume_point: ResumePoint | None = None,
 ) -> tuple[list[keras.callbacks.Callback], StopOnNonFiniteLoss]:
     """Returns the callbacks every tfmulti run uses, and the NaN guard among them.
 
     tfmulti's own callbacks write to `output_dir` (a scratch directory on
     non-chief workers); Keras's get the user's `model_dir`, and the multi-worker
-    compat fix sends non-chief workers' copies to scratch.
+    compat fix sends non-chief workers' copies to scratch. A run resumed mid-epoch
+    restores its checkpoint and first finishes that epoch's remaining steps (`ResumeRun`).
     """
     logs_dir = os.path.join(output_dir, "logs")
     nan_guard = StopOnNonFiniteLoss()
-    callbacks = [
+    callbacks = [ResumeRun(resume_point, steps_per_epoch)] if resume_point else []
+    callbacks += [
         nan_guard,
         ThroughputLogger(
             config.batch_size, log_steps=config.log_steps, log_dir=os.path.join(logs_dir, "train")
         ),
-        _batch_hooks_idle(
-            keras.callbacks.BackupAndRestore(
-                os.path.join(config.model_dir, "backup"),
-                delete_checkpoint=False,
-                double_checkpoint=True,
-            )
+        StepCheckpoint(
+            resume_directory(output_dir),
+            steps_per_epoch,
+            every_steps=config.checkpoint_steps,
+            start=resume_point,
         ),
         EpochCheckpoint(os.path.join(output_dir, "checkpoints"), keep=config.keep_checkpoints),
         RecordEpochs(record),
@@ -147,9 +164,12 @@ def train(config: TrainConfig) -> dict:
     per_replica = per_replica_batch_size(config.batch_size, replicas)
     hybrid = config.strategy == HYBRID_STRATEGY_NAME
     output_dir = worker_output_dir(config.model_dir, cluster) if cluster else config.model_dir
-    resume_epoch = check_model_dir(
-        config.model_dir, config.resume, is_chief=cluster is None or cluster.is_chief
+    resume_point = check_model_dir(
+        config.model_dir,
+        config.resume or restarted_by_launcher(),
+        is_chief=cluster is None or cluster.is_chief,
     )
+    start_step = resume_point.global_step if resume_point else 0
 
     registry.check_model_accepts(config.model, data_lib.dataset_task(config.dataset))
     source = data_lib.load_source(config.dataset, data_path=config.data_path, seed=config.seed)
@@ -160,8 +180,8 @@ def train(config: TrainConfig) -> dict:
         config.batch_size,
         seed=config.seed,
         steps_per_epoch=steps_per_epoch,
-        start_step=resume_epoch * steps_per_epoch,
-        total_steps=steps_per_epoch * (config.epochs - resume_epoch),
+        start_step=start_step,
+        total_steps=steps_per_epoch * config.epochs - start_step,
         shard_policy=None if hybrid else _shard_policy(config, source, cluster),
     )
     if hybrid and cluster is not None:
@@ -177,8 +197,20 @@ def train(config: TrainConfig) -> dict:
         "per_replica_batch_size": per_replica,
         "parameters": (model.replicas[0] if hybrid else model).count_params(),
     }
-    record = RunRecord(output_dir, run, resume_from_epoch=resume_epoch)
-    callbacks, nan_guard = standard_callbacks(config, output_dir, record, cluster)
+    record = RunRecord(
+        output_dir, run, resume_from_epoch=resume_point.epoch if resume_point else None
+    )
+    if resume_point:
+        record.add_resume(resume_point.epoch + 1, resume_point.step, resume_point.name, time.time())
+        logging.info(
+            "Resuming at epoch %d, step %d (from %s)",
+            resume_point.epoch + 1,
+            resume_point.step,
+            resume_point.weights_path,
+        )
+    callbacks, nan_guard = standard_callbacks(
+        config, output_dir, record, data.steps_per_epoch, cluster, resume_point
+    )
     if hybrid and cluster is not None and not cluster.is_chief:
         # No multi-worker strategy scope here, so the compat fix does not redirect them.
         worker_paths.redirect_to_scratch(callbacks, worker_paths.scratch_dir())
@@ -196,6 +228,7 @@ def train(config: TrainConfig) -> dict:
         data.train,
         validation_data=data.validation,
         epochs=config.epochs,
+        initial_epoch=resume_point.epoch if resume_point else 0,
         steps_per_epoch=data.steps_per_epoch,
         validation_steps=validation_steps,
         callbacks=callbacks,

@@ -1,0 +1,156 @@
+"""Step checkpoints: a run killed mid-epoch resumes at the exact step, as if never stopped."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+from script_runner import REPO_ROOT, read_metrics, run_script
+
+# Long epochs with step checkpoints, so a kill lands well inside an epoch.
+RUN = (
+    "--model=mlp",
+    "--dataset=digits",
+    "--batch_size=32",
+    "--steps_per_epoch=40",
+    "--validation_steps=2",
+    "--epochs=2",
+    "--optimizer=adam",
+    "--learning_rate=0.01",
+    "--log_steps=0",
+    "--checkpoint_steps=7",
+)
+
+STRATEGIES = {
+    "one_device": ("--strategy=one_device",),
+    "mirrored": ("--strategy=mirrored", "--virtual_devices=2"),
+    "pipeline": (
+        "--strategy=pipeline",
+        "--virtual_devices=2",
+        "--num_stages=2",
+        "--microbatches=4",
+        "--schedule=1f1b",
+    ),
+}
+
+
+def final_weights(model_dir: str) -> list[np.ndarray]:
+    """Every array of the run's last epoch checkpoint, in file order."""
+    path = sorted(glob.glob(os.path.join(model_dir, "checkpoints", "epoch-*.weights.h5")))[-1]
+    arrays = []
+    with h5py.File(path, "r") as handle:
+        handle.visititems(
+            lambda name, item: arrays.append(item[()]) if isinstance(item, h5py.Dataset) else None
+        )
+    return arrays
+
+
+def assert_same_run(model_dir: str, reference_dir: str) -> None:
+    for weight, expected in zip(
+        final_weights(model_dir), final_weights(reference_dir), strict=True
+    ):
+        np.testing.assert_allclose(weight, expected, rtol=1e-5, atol=1e-6)
+    metrics, reference = read_metrics(model_dir), read_metrics(reference_dir)
+    assert metrics["status"] == "completed"
+    assert [e["epoch"] for e in metrics["epochs"]] == [1, 2]
+    for epoch, expected in zip(metrics["epochs"], reference["epochs"], strict=True):
+        assert epoch["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+        assert epoch["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
+
+
+def start_training(*args: str) -> subprocess.Popen:
+    command = [sys.executable, os.path.join(REPO_ROOT, "scripts", "train.py"), *args]
+    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return subprocess.Popen(
+        command,
+        cwd=REPO_ROOT,
+        env=environment,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def kill_after_first_step_checkpoint(process: subprocess.Popen, model_dir: str) -> None:
+    """SIGKILLs the run's process group as soon as a mid-epoch checkpoint is complete."""
+    first = os.path.join(model_dir, "backup", "step-000000007.json")
+    deadline = time.monotonic() + 240
+    while not os.path.exists(first):
+        assert process.poll() is None, "the run ended before its first step checkpoint"
+        assert time.monotonic() < deadline, "no step checkpoint within 240 s"
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """`uninterrupted(strategy)`: the model_dir of that strategy's run, never stopped."""
+    runs = {}
+
+    def run(name: str) -> str:
+        if name not in runs:
+            model_dir = str(tmp_path_factory.mktemp(f"whole-{name}"))
+            result = run_script("train.py", *RUN, *STRATEGIES[name], f"--model_dir={model_dir}")
+            assert result.returncode == 0, result.stderr[-3000:]
+            runs[name] = model_dir
+        return runs[name]
+
+    return run
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_run_killed_mid_epoch_resumes_at_the_exact_step_with_the_uninterrupted_weights(
+    strategy, uninterrupted, tmp_path
+):
+    model_dir = str(tmp_path / "run")
+    flags = (*RUN, *STRATEGIES[strategy], f"--model_dir={model_dir}")
+    kill_after_first_step_checkpoint(start_training(*flags), model_dir)
+
+    resumed = run_script("train.py", *flags, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumes = read_metrics(model_dir)["resumes"]
+    assert len(resumes) == 1
+    assert resumes[0]["epoch"] == 1 and resumes[0]["step"] % 7 == 0 and resumes[0]["step"] > 0
+    expected_line = f"Resuming at epoch 1, step {resumes[0]['step']} (from "
+    assert expected_line in resumed.stderr
+    assert_same_run(model_dir, uninterrupted(strategy))
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_in_one_line(
+    uninterrupted, tmp_path
+):
+    model_dir = str(tmp_path / "run")
+    flags = (*RUN, *STRATEGIES["one_device"], f"--model_dir={model_dir}")
+    kill_after_first_step_checkpoint(start_training(*flags), model_dir)
+    backup = os.path.join(model_dir, "backup")
+    newest = sorted(glob.glob(os.path.join(backup, "step-*.weights.h5")))[-1]
+    with open(newest, "r+b") as handle:  # as a disk or a kill mid-copy would leave it
+        handle.truncate(os.path.getsize(newest) // 2)
+
+    resumed = run_script("train.py", *flags, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    fallback_lines = [
+        line for line in resumed.stderr.splitlines() if "incomplete or damaged" in line
+    ]
+    assert len(fallback_lines) == 1
+    assert os.path.basename(newest).replace(".weights.h5", ".json") in fallback_lines[0]
+    assert_same_run(model_dir, uninterrupted("one_device"))
+
+
+def test_state_file_names_the_position_and_holds_metrics_and_seed_states(uninterrupted):
+    backup = os.path.join(uninterrupted("one_device"), "backup")
+    with open(os.path.join(backup, "latest.json")) as handle:
+        newest = json.load(handle)["state"]
+    with open(os.path.join(backup, newest)) as handle:
+        state = json.load(handle)
+    # The run ended at its last epoch: the newest checkpoint starts epoch 3, step 0.
+    assert (state["epoch"], state["step"], state["global_step"]) == (2, 0, 80)
+    kept = sorted(name for name in os.listdir(backup) if name.endswith(".json"))
+    assert kept == ["latest.json", "step-000000077.json", "step-000000080.json"]
