@@ -153,7 +153,7 @@ def test_predict_and_evaluate_take_any_batch_and_keep_every_row_in_order():
     )
 
 
-def test_weights_share_of_a_mean_with_sample_weight_loss_matches_one_device_training():
+def test_a_mean_with_sample_weight_loss_weights_microbatches_by_their_sample_weights():
     x, y, weights = _data()
     loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
     model = PipelineModel(dense_stages(2), logical_device_names("CPU")[:2], 4, "gpipe")
@@ -161,6 +161,22 @@ def test_weights_share_of_a_mean_with_sample_weight_loss_matches_one_device_trai
     reference = _reference_like(model, 2, x)
     initial = model.get_weights()
     histories = _fit_both(model, reference, "sgd", loss, x, y, weights, 30)
+    _assert_trained_like(model, reference, initial, histories)
+
+
+def _batch_mean_squared_error(y_true, y_pred):
+    # One mean over the whole batch: 0/0 = NaN on an empty micro-batch.
+    return tf.reduce_mean(tf.square(y_true - y_pred))
+
+
+def test_empty_microbatches_add_no_nan_when_the_loss_is_a_mean_over_no_rows():
+    x, y, _ = _data()
+    model = PipelineModel(dense_stages(2), logical_device_names("CPU")[:2], 8, "1f1b")
+    model(x[:1])
+    reference = _reference_like(model, 2, x)
+    initial = model.get_weights()
+    histories = _fit_both(model, reference, "sgd", _batch_mean_squared_error, x, y, None, 32)
+    assert np.isfinite(histories[1]).all()
     _assert_trained_like(model, reference, initial, histories)
 
 
