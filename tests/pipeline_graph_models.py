@@ -93,6 +93,17 @@ def tied_model(seed=0) -> keras.Model:
     return keras.Model(features, tied(hidden), name="tied_model")
 
 
+def implicit_mask_model(seed=0) -> keras.Model:
+    """Token ids whose zeros an Embedding(mask_zero=True) masks; the pooling reads the mask."""
+    tokens = keras.Input((WIDTH,), dtype="int32", name="tokens")
+    embedded = keras.layers.Embedding(
+        4, WIDTH, mask_zero=True, embeddings_initializer=keras.initializers.RandomNormal(seed=seed)
+    )(tokens)
+    hidden = _dense(WIDTH, seed + 1, "per_token", "tanh")(embedded)
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(hidden)
+    return keras.Model(tokens, _dense(OUTPUTS, seed + 2, "head")(pooled), name="implicit_mask")
+
+
 def regression_data(model: keras.Model, rows: int, seed: int = 0):
     """(x, y) for `model`'s inputs: floats, and 0/1 int32 for integer inputs."""
     rng = np.random.default_rng(seed)

@@ -8,6 +8,7 @@ import pytest
 from pipeline_graph_models import (
     built_sequential,
     gpt2_causal_lm,
+    implicit_mask_model,
     masked_model,
     nested_model,
     regression_data,
@@ -108,6 +109,26 @@ def test_integer_mask_crosses_every_stage():
     for stage in pipe.stages[:-1]:
         inputs = stage(inputs)
         assert "int32" in [str(t.dtype.name) for t in inputs]
+
+
+def test_keras_implicit_mask_travels_with_its_tensor_across_cuts():
+    model = implicit_mask_model()
+    pipe = PipelineModel.from_model(
+        model, first_logical_devices(2, "stages"), 2, "gpipe", partition=["pool"]
+    )
+    x, y = regression_data(model, 2 * BATCH)
+    # Zeros are masked out of the average: without the mask the outputs would differ.
+    unmasked = keras.Model(
+        model.inputs,
+        model.get_layer("head")(keras.ops.mean(model.get_layer("per_token").output, axis=1)),
+    )
+    assert np.abs(unmasked.predict(x, verbose=0) - model.predict(x, verbose=0)).max() > 1e-3
+    np.testing.assert_allclose(pipe.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
+    reference = implicit_mask_model()
+    for trained in (reference, pipe):
+        trained.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=False)
+        trained.train_on_batch(x, y)
+    _assert_same_weights(reference, model, implicit_mask_model().get_weights())
 
 
 def test_nested_models_are_opened_so_cuts_fall_inside_them():

@@ -15,6 +15,7 @@ import dataclasses
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.backend import get_keras_mask
 from keras.src.models.functional import Functional
 
 
@@ -74,11 +75,14 @@ class CallGraph:
         nodes: the calls, each after every call it takes tensors from.
         input_keys: the graph tensor of each flat model input.
         output_keys: the graph tensor of each flat model output.
+        masked_keys: the graph tensors that carry a Keras mask (`mask_zero=True` and the
+            like), which the layers after them read.
     """
 
     nodes: tuple[CallNode, ...]
     input_keys: tuple[int, ...]
     output_keys: tuple[int, ...]
+    masked_keys: frozenset[int] = frozenset()
 
 
 def call_graph(model: keras.Model, open_nested: bool = False) -> CallGraph:
@@ -101,6 +105,12 @@ def call_graph(model: keras.Model, open_nested: bool = False) -> CallGraph:
         tuple(nodes),
         tuple(id(tensor) for tensor in model.inputs),
         tuple(aliases.get(id(tensor), id(tensor)) for tensor in model.outputs),
+        frozenset(
+            output
+            for node in nodes
+            for output, tensor in zip(node.output_keys, node.node.outputs, strict=True)
+            if get_keras_mask(tensor) is not None
+        ),
     )
 
 
@@ -214,6 +224,9 @@ class RecordedCall:
     def trainable_variables(self):
         return getattr(self.operation, "trainable_variables", [])
 
+    # Plain Python over a recorded call: AutoGraph has nothing to convert here, and its
+    # conversion of this method inside `time_block` has failed after many other traces.
+    @tf.autograph.experimental.do_not_convert
     def __call__(self, tensors, training=None):
         # `training` is already among the recorded keyword arguments of a layer.
         leaves = list(self.leaves)

@@ -13,6 +13,7 @@ import types
 from collections.abc import Callable, Sequence
 
 import keras
+from keras.src.backend import get_keras_mask, set_keras_mask
 from keras.src.models.functional import operation_fn, unpack_singleton
 
 from tfmulti.model_graph import CallGraph, CallNode
@@ -30,6 +31,8 @@ class GraphStage(keras.layers.Layer):
         nodes: the stage's calls, in run order.
         input_keys: the graph tensors it receives; None for the model's inputs.
         output_keys: the graph tensors it returns; None for the model's outputs.
+        masked_keys: graph tensors that carry a Keras mask; a boundary tensor's mask
+            travels after all the boundary tensors, and is put back on it on arrival.
         **kwargs: passed to `keras.layers.Layer` (e.g. `name`).
 
     Example:
@@ -43,6 +46,7 @@ class GraphStage(keras.layers.Layer):
         nodes: Sequence[CallNode],
         input_keys: Sequence[int] | None,
         output_keys: Sequence[int] | None,
+        masked_keys: frozenset[int] = frozenset(),
         **kwargs,
     ):
         # Boundary tensors keep their dtypes: a float32 residual must not be autocast.
@@ -53,6 +57,7 @@ class GraphStage(keras.layers.Layer):
             nodes=tuple(nodes),
             input_keys=None if input_keys is None else tuple(input_keys),
             output_keys=None if output_keys is None else tuple(output_keys),
+            masked_keys=frozenset(masked_keys),
         )
         layers = [node.operation for node in nodes]
         self.stage_layers = [
@@ -67,13 +72,22 @@ class GraphStage(keras.layers.Layer):
         """The names of the stage's calls, in run order."""
         return [node.name for node in self._graph.nodes]
 
+    def compute_mask(self, inputs, previous_mask=None):
+        # Masks travel as tensors of their own and are put back in `call`; Keras need not
+        # attach any to the stage's outputs.
+        return None
+
     def call(self, inputs, training=None):
         graph = self._graph
         if graph.input_keys is None:
             flat = graph.model._standardize_inputs(inputs)
             keys = [id(tensor) for tensor in graph.model.inputs]
         else:
-            flat, keys = list(inputs), graph.input_keys
+            keys = graph.input_keys
+            flat = list(inputs)[: len(keys)]
+            masks = list(inputs)[len(keys) :]
+            for key, mask in zip(_masked(keys, graph), masks, strict=True):
+                set_keras_mask(flat[keys.index(key)], mask)
         values = dict(zip(keys, flat, strict=True))
         run_calls(graph.nodes, values, training)
         if graph.output_keys is None:
@@ -81,7 +95,8 @@ class GraphStage(keras.layers.Layer):
             return unpack_singleton(
                 keras.tree.pack_sequence_as(graph.model._outputs_struct, outputs)
             )
-        return tuple(values[key] for key in graph.output_keys)
+        masks = [get_keras_mask(values[key]) for key in _masked(graph.output_keys, graph)]
+        return tuple(values[key] for key in graph.output_keys) + tuple(masks)
 
 
 def run_calls(
@@ -138,10 +153,15 @@ def graph_stages(
             graph.nodes[start:end],
             cuts[index],
             cuts[index + 1],
+            graph.masked_keys,
             name=f"{model.name}_stage_{index}",
         )
         for index, (start, end) in enumerate(zip(edges, edges[1:], strict=False))
     ]
+
+
+def _masked(keys: Sequence[int], graph) -> list[int]:
+    return [key for key in keys if key in graph.masked_keys]
 
 
 def _live_keys(graph: CallGraph, cut: int) -> tuple[int, ...]:
