@@ -105,13 +105,13 @@ def test_only_the_chief_writes_into_model_dir(cluster_run):
     assert not os.path.exists(other["scratch_dir"]), "non-chief scratch dir was not removed"
 
 
-def test_profile_has_one_host_entry_per_worker_in_the_chief_log_dir(cluster_run):
-    _, results, model_dir = cluster_run
+def test_only_the_chief_profiles_since_tensorflow_corrupts_a_non_chief_heap(cluster_run):
+    _, (chief, other), model_dir = cluster_run
     traces = sorted(glob.glob(f"{model_dir}/logs/plugins/profile/*/*.xplane.pb"))
-    assert [os.path.basename(path) for path in traces] == ["worker0.xplane.pb", "worker1.xplane.pb"]
-    assert len({os.path.dirname(path) for path in traces}) == 1
-    assert all(os.path.getsize(path) > 0 for path in traces)
-    assert sorted(result["trace_path"] for result in results) == traces
+    assert [os.path.basename(path) for path in traces] == ["worker0.xplane.pb"]
+    assert os.path.getsize(traces[0]) > 0
+    assert chief["trace_path"] == traces[0]
+    assert other["trace_path"] is None
 
 
 def test_backup_and_restore_resumes_every_worker_from_the_last_epoch(tmp_path):

@@ -133,17 +133,19 @@ def test_pipelined_transformer_trains_under_mixed_precision(tmp_path, dtype):
     assert isinstance(metrics["final"]["loss"], float)
 
 
-def test_batch_not_divisible_by_microbatches_is_one_line(tmp_path):
+def test_batch_smaller_than_the_microbatches_is_one_line(tmp_path):
     result = run_script(
         "train.py",
         *TWO_EPOCHS,
+        "--batch_size=4",
         "--strategy=pipeline",
         "--virtual_devices=2",
         "--microbatches=5",
         f"--model_dir={tmp_path}",
     )
     assert result.returncode != 0
-    assert "--microbatches" in result.stderr.strip().splitlines()[-1]
+    last = result.stderr.strip().splitlines()[-1]
+    assert "--microbatches" in last and "batch_size=4" in last, last
     assert "Traceback" not in result.stderr
 
 
@@ -165,7 +167,9 @@ def test_multi_worker_script_trains_like_one_device_with_chief_only_outputs(
     assert top_level == ["backup", "checkpoints", "logs", "metrics.json"]
     assert not glob.glob(f"{model_dir}/**/*worker1*/**", recursive=True)
     traces = sorted(glob.glob(f"{model_dir}/logs/train/plugins/profile/*/*.xplane.pb"))
-    assert [os.path.basename(t) for t in traces] == ["worker0.xplane.pb", "worker1.xplane.pb"]
+    # TensorFlow's profiler corrupts non-chief heaps (tfmulti/compat/tf_profiler.py).
+    assert [os.path.basename(t) for t in traces] == ["worker0.xplane.pb"]
+    assert "[worker 1]" in output and "records no profile" in output
 
 
 def _worker_pid(model_dir: str, rank: int) -> int | None:

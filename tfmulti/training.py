@@ -14,7 +14,7 @@ from tfmulti import data as data_lib
 from tfmulti.callbacks import StopOnNonFiniteLoss, ThroughputLogger
 from tfmulti.checkpointing import EpochCheckpoint, latest_checkpoint
 from tfmulti.cluster import ClusterInfo, worker_output_dir
-from tfmulti.compat import worker_paths
+from tfmulti.compat import tf_profiler, worker_paths
 from tfmulti.config import TrainConfig
 from tfmulti.errors import TrainingError
 from tfmulti.hybrid import worker_rows
@@ -116,14 +116,23 @@ def standard_callbacks(
 
         callbacks.append(PipelineTimelineCallback(logs_dir, steps=config.trace_steps))
     if config.profile_steps:
-        # Every worker traces into the chief's log directory, one host entry each.
-        host_name = f"worker{cluster.task_index}" if cluster else None
-        callbacks.append(
-            ProfileSteps(
-                os.path.join(config.model_dir, "logs", "train"), config.profile_steps, host_name
-            )
-        )
+        callbacks += _profile_callbacks(config, cluster)
     return callbacks, nan_guard
+
+
+def _profile_callbacks(config: TrainConfig, cluster: ClusterInfo | None) -> list:
+    """The profiler callback of this process, if its TensorFlow can profile it safely."""
+    if cluster is None:
+        return [ProfileSteps(os.path.join(config.model_dir, "logs", "train"), config.profile_steps)]
+    if not tf_profiler.host_profiler_is_safe(cluster.num_workers > 1, cluster.is_chief):
+        version = ".".join(map(str, tf_profiler.tensorflow_version()))
+        logging.warning(
+            tf_profiler.SKIPPED_MESSAGE.format(rank=cluster.task_index, version=version)
+        )
+        return []
+    # Each worker that traces writes into the chief's log directory, one host entry each.
+    log_dir = os.path.join(config.model_dir, "logs", "train")
+    return [ProfileSteps(log_dir, config.profile_steps, f"worker{cluster.task_index}")]
 
 
 def _shard_policy(

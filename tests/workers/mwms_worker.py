@@ -20,7 +20,7 @@ import tensorflow as tf  # noqa: E402
 
 from tfmulti import cluster as cluster_lib  # noqa: E402
 from tfmulti import input_sharding  # noqa: E402
-from tfmulti.compat import keras_multi_worker, worker_paths  # noqa: E402
+from tfmulti.compat import keras_multi_worker, tf_profiler, worker_paths  # noqa: E402
 from tfmulti.profiling import ProfileSteps  # noqa: E402
 
 GLOBAL_BATCH = 16
@@ -64,10 +64,13 @@ def train(strategy, cluster, model_dir, epochs):
             os.path.join(model_dir, "backup"), delete_checkpoint=False
         ),
         keras.callbacks.TensorBoard(os.path.join(model_dir, "logs")),
-        ProfileSteps(
-            os.path.join(model_dir, "logs"), (2, 3), host_name=f"worker{cluster.task_index}"
-        ),
     ]
+    if tf_profiler.host_profiler_is_safe(True, cluster.is_chief):
+        callbacks.append(
+            ProfileSteps(
+                os.path.join(model_dir, "logs"), (2, 3), host_name=f"worker{cluster.task_index}"
+            )
+        )
     history = model.fit(sharded_dataset(), epochs=epochs, verbose=0, callbacks=callbacks)
     evaluation = model.evaluate(sharded_dataset(), verbose=0)
     predictions = model.predict(sharded_dataset(with_labels=False), verbose=0)
@@ -76,7 +79,7 @@ def train(strategy, cluster, model_dir, epochs):
         "loss": history.history["loss"],
         "evaluation": evaluation,
         "predictions": predictions.tolist(),
-        "trace_path": callbacks[-1].trace_path,
+        "trace_path": getattr(callbacks[-1], "trace_path", None),
         "scratch_dir": worker_paths.scratch_dir() if not cluster.is_chief else None,
         "active_fixes": tfmulti.compat.active_fixes(),
     }
