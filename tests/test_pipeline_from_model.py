@@ -283,7 +283,6 @@ def test_transparency_keras_hub_gpt2_with_tied_embedding(schedule, chunks):
         chunks,
         "adam",
         loss=loss,
-        num_microbatches=4,
         partition="uniform",
     )
     model = pipe.to_model()
