@@ -34,7 +34,6 @@ setup(
             "hypothesis>=6.100",
             "ruff>=0.6",
             "keras-hub>=0.32",
-            "keras-hub>=0.32",
         ],
     },
 )
