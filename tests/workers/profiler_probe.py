@@ -1,7 +1,7 @@
 """One worker of a two-worker run whose worker 1 starts and stops TensorFlow's profiler often.
 
-Usage: python profiler_probe.py --windows=N
-Worker 1 traces N windows of 2 steps each; worker 0 does not trace. Prints
+Usage: python profiler_probe.py --windows=N --profiling_rank=R
+Worker R traces N windows of 2 steps each; the other does not trace. Prints
 "probe finished <windows>" when every window was traced without a crash.
 """
 
@@ -49,6 +49,7 @@ class ProfileEveryWindow(keras.callbacks.Callback):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--windows", type=int, default=96)
+    parser.add_argument("--profiling_rank", type=int, default=1)
     args = parser.parse_args()
     cluster = cluster_lib.resolve_cluster()
     cpu = tf.config.list_physical_devices("CPU")[0]
@@ -67,7 +68,7 @@ def main():
         input_sharding.apply_shard_policy(dataset, "data"),
         epochs=1,
         verbose=0,
-        callbacks=[probe] if cluster.task_index == 1 else [],
+        callbacks=[probe] if cluster.task_index == args.profiling_rank else [],
     )
     print(f"probe finished {probe.windows}", flush=True)
 
