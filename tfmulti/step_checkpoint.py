@@ -194,9 +194,13 @@ def find_resume_point(directory: str, report=print) -> ResumePoint | None:
 def restore(model: keras.Model, point: ResumePoint) -> None:
     """Loads the weights, optimizer state and seed states of `point` into `model`.
 
-    The optimizer must be built (`fit` builds it before `on_train_begin`), or Keras
-    skips its state.
+    Keras skips the state of an optimizer that is not built yet; `fit` builds it before
+    `on_train_begin` for most models, but not for one with its own `build` (a pipeline).
     """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not optimizer.built:
+        order = getattr(model, "optimizer_variable_order", None)
+        optimizer.build(order() if order else model.trainable_variables)
     model.load_weights(point.weights_path)
     _assign(_seed_state_variables(model), point.state.get("seeds", {}))
 

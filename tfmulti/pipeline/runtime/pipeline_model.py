@@ -11,7 +11,7 @@ import tensorflow as tf
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from tfmulti.pipeline.actions import Schedule
+from tfmulti.pipeline.actions import BACKWARD, WEIGHT_GRAD, Schedule
 from tfmulti.pipeline.dependencies import TimedAction
 from tfmulti.pipeline.runtime.executor import ScheduleExecutor, StepResult
 from tfmulti.pipeline.runtime.export import chained_model, input_spec
@@ -346,6 +346,23 @@ class PipelineModel(keras.Model):
         if self._export.model is None:
             return super().load_weights(filepath, **kwargs)
         return self._export.model.load_weights(filepath, **kwargs)
+
+    def optimizer_variable_order(self) -> list:
+        """The trainable variables in the order training steps hand them to the optimizer.
+
+        The executor accumulates gradients stage by stage as the schedule's backwards run,
+        so the optimizer's slots follow that order; restoring saved optimizer state into
+        a fresh optimizer needs it built in the same order.
+        """
+        seen, ordered = set(), []
+        for action in self._executor.order:
+            if action.kind not in (BACKWARD, WEIGHT_GRAD):
+                continue
+            for variable in self.stages[action.stage].trainable_variables:
+                if id(variable) not in seen:
+                    seen.add(id(variable))
+                    ordered.append(variable)
+        return ordered
 
     def stage_of_variable(self, variable) -> int:
         """Index of the stage that owns `variable`."""
