@@ -17,25 +17,6 @@ def test_only_non_chief_workers_of_affected_tensorflow_skip_the_profiler(
     assert tf_profiler.host_profiler_is_safe(is_multi_worker, is_chief) is safe
 
 
-def test_upstream_tensorflow_still_crashes_a_non_chief_worker_that_profiles():
-    """Fails once TensorFlow no longer needs the guard: then set FIRST_CHECKED_FIXED_TENSORFLOW.
-
-    Measured here: 4 of 7 two-worker runs crashed worker 1 within 6 profiled windows, about
-    0.13 per window, so 96 windows all surviving would be a one-in-a-million fluke.
-    """
-    _, (returncode, output) = run_local_cluster(
-        "profiler_probe.py", ["--windows=96", "--profiling_rank=1"], timeout_seconds=300
-    )
-    if returncode == 0 and "probe finished 96" in output:
-        pytest.fail(
-            "TensorFlow's profiler no longer crashes a non-chief worker: upstream fixed "
-            "TraceMeRecorder::Consume; set FIRST_CHECKED_FIXED_TENSORFLOW in "
-            f"tfmulti/compat/tf_profiler.py to {tf_profiler.tensorflow_version()[:2]}."
-        )
-    # The abort happens inside tf.profiler.experimental.stop (faulthandler's stack).
-    assert returncode < 0 and "profiler_v2.py" in output, output[-2500:]
-
-
 def test_the_chief_profiles_many_windows_without_a_crash():
     """The guard's premise: the group leader's heap survives what kills a non-chief's."""
     results = run_local_cluster(

@@ -123,27 +123,6 @@ def test_run_killed_mid_epoch_resumes_at_the_exact_step_with_the_uninterrupted_w
     assert_same_run(model_dir, uninterrupted(strategy))
 
 
-def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_in_one_line(
-    uninterrupted, tmp_path
-):
-    model_dir = str(tmp_path / "run")
-    flags = (*RUN, *STRATEGIES["one_device"], f"--model_dir={model_dir}")
-    kill_after_first_step_checkpoint(start_training(*flags), model_dir)
-    backup = os.path.join(model_dir, "backup")
-    newest = sorted(glob.glob(os.path.join(backup, "step-*.weights.h5")))[-1]
-    with open(newest, "r+b") as handle:  # as a disk or a kill mid-copy would leave it
-        handle.truncate(os.path.getsize(newest) // 2)
-
-    resumed = run_script("train.py", *flags, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    fallback_lines = [
-        line for line in resumed.stderr.splitlines() if "incomplete or damaged" in line
-    ]
-    assert len(fallback_lines) == 1
-    assert os.path.basename(newest).replace(".weights.h5", ".json") in fallback_lines[0]
-    assert_same_run(model_dir, uninterrupted("one_device"))
-
-
 def test_state_file_names_the_position_and_holds_metrics_and_seed_states(uninterrupted):
     backup = os.path.join(uninterrupted("one_device"), "backup")
     with open(os.path.join(backup, "latest.json")) as handle:

@@ -227,7 +227,7 @@ def test_bad_partition_is_refused_naming_it(partition, message):
 
 
 def test_a_cut_inside_a_layer_names_the_layer_that_cannot_be_split():
-    with pytest.raises(ValueError, match="inside 'gpt2_backbone/transformer_layer_0'"):
+    with pytest.raises(ValueError, match=r"inside 'gpt2_backbone(_\d+)?/transformer_layer_0'"):
         PipelineModel.from_model(
             gpt2_causal_lm(), first_logical_devices(2, "stages"), partition=["self_attention"]
         )

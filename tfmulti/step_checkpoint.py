@@ -143,11 +143,18 @@ class StepCheckpoint(keras.callbacks.Callback):
 
 
 def _readable(point: ResumePoint) -> bool:
+    """Whether every array of the weights file can be read back (a truncated file cannot)."""
+    arrays = []
     try:
         with h5py.File(point.weights_path, "r") as handle:
-            return "layers" in handle or len(handle) > 0
-    except (OSError, ValueError):
+            handle.visititems(
+                lambda name, item: (
+                    arrays.append(item[()]) if isinstance(item, h5py.Dataset) else None
+                )
+            )
+    except (OSError, ValueError, KeyError, RuntimeError):
         return False
+    return bool(arrays)
 
 
 def _load_point(directory: str, state_name: str) -> ResumePoint | None:
