@@ -122,16 +122,13 @@ def standard_callbacks(
 
 def _profile_callbacks(config: TrainConfig, cluster: ClusterInfo | None) -> list:
     """The profiler callback of this process, if its TensorFlow can profile it safely."""
+    log_dir = os.path.join(config.model_dir, "logs", "train")
     if cluster is None:
-        return [ProfileSteps(os.path.join(config.model_dir, "logs", "train"), config.profile_steps)]
+        return [ProfileSteps(log_dir, config.profile_steps)]
     if not tf_profiler.host_profiler_is_safe(cluster.num_workers > 1, cluster.is_chief):
-        version = ".".join(map(str, tf_profiler.tensorflow_version()))
-        logging.warning(
-            tf_profiler.SKIPPED_MESSAGE.format(rank=cluster.task_index, version=version)
-        )
+        logging.warning(tf_profiler.skipped_notice(cluster.task_index))
         return []
     # Each worker that traces writes into the chief's log directory, one host entry each.
-    log_dir = os.path.join(config.model_dir, "logs", "train")
     return [ProfileSteps(log_dir, config.profile_steps, f"worker{cluster.task_index}")]
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from collections.abc import Callable
 
 import keras
@@ -19,6 +18,7 @@ from keras.src.backend.tensorflow import trainer as tensorflow_trainer
 from keras.src.callbacks import callback_list
 
 from tfmulti.compat import worker_paths
+from tfmulti.compat.versions import version_tuple
 
 UPSTREAM_ISSUE = "https://github.com/keras-team/keras/issues/20585"
 
@@ -57,8 +57,7 @@ class Fix:
 
 def keras_version() -> tuple[int, ...]:
     """The installed Keras version as integers, e.g. (3, 15, 1); suffixes like ".dev0" dropped."""
-    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", keras.version())
-    return tuple(int(number) for number in match.groups() if number is not None)
+    return version_tuple(keras.version())
 
 
 def is_multi_worker(strategy: tf.distribute.Strategy | None) -> bool:

@@ -12,17 +12,18 @@ around 4-step windows aborted in 4 of 7 two-worker runs (6 windows each); the
 chief, 0 crashes in 480 windows. Newer TSL reserves the vector first.
 
 Only the chief therefore records a trace in multi-worker runs on the affected
-versions; `tests/test_compat_tf_profiler.py` says when a TensorFlow release no
-longer needs this.
+versions. `tests/workers/profiler_probe.py` reproduces the crash (`--profiling_rank=1`)
+and shows the chief unharmed (`--profiling_rank=0`); run the first on a new
+TensorFlow release before setting FIRST_CHECKED_FIXED_TENSORFLOW.
 """
 
 from __future__ import annotations
 
-import re
+from tfmulti.compat.versions import version_tuple
 
 FIRST_BROKEN_TENSORFLOW = (2, 20)
 # Newest TensorFlow checked is 2.21; setup.py allows no newer one. On a newer one the
-# guard stays on until tests/test_compat_tf_profiler.py is run there.
+# guard stays on until the probe (see above) shows the crash gone there.
 FIRST_CHECKED_FIXED_TENSORFLOW: tuple[int, ...] | None = None
 
 
@@ -30,8 +31,7 @@ def tensorflow_version() -> tuple[int, ...]:
     """The installed TensorFlow version as integers, e.g. (2, 21, 0)."""
     import tensorflow as tf
 
-    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", tf.__version__)
-    return tuple(int(number) for number in match.groups() if number is not None)
+    return version_tuple(tf.__version__)
 
 
 def host_profiler_is_safe(is_multi_worker: bool, is_chief: bool) -> bool:
@@ -49,8 +49,12 @@ def host_profiler_is_safe(is_multi_worker: bool, is_chief: bool) -> bool:
     return FIRST_CHECKED_FIXED_TENSORFLOW is not None and version >= FIRST_CHECKED_FIXED_TENSORFLOW
 
 
-SKIPPED_MESSAGE = (
-    "tfmulti: worker {rank} records no profile: TensorFlow {version}'s profiler corrupts the "
-    "heap of non-chief multi-worker processes (see tfmulti/compat/tf_profiler.py); the "
-    "chief's trace is in the run's profile directory."
-)
+def skipped_notice(rank: int) -> str:
+    """The line a worker that records no profile logs instead."""
+    import tensorflow as tf
+
+    return (
+        f"tfmulti: worker {rank} records no profile: TensorFlow {tf.__version__}'s profiler "
+        "corrupts the heap of non-chief multi-worker processes (see "
+        "tfmulti/compat/tf_profiler.py); the chief's trace is in the run's profile directory."
+    )
