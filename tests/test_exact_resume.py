@@ -77,11 +77,13 @@ def start_training(*args: str) -> subprocess.Popen:
     )
 
 
-def kill_after_first_step_checkpoint(process: subprocess.Popen, model_dir: str) -> None:
-    """SIGKILLs the run's process group as soon as a mid-epoch checkpoint is complete."""
-    first = os.path.join(model_dir, "backup", "step-000000007.json")
+def kill_after_step_checkpoint(
+    process: subprocess.Popen, model_dir: str, global_step: int = 7
+) -> None:
+    """SIGKILLs the run's process group as soon as the checkpoint of `global_step` is complete."""
+    state = os.path.join(model_dir, "backup", f"step-{global_step:09d}.json")
     deadline = time.monotonic() + 240
-    while not os.path.exists(first):
+    while not os.path.exists(state):
         assert process.poll() is None, "the run ended before its first step checkpoint"
         assert time.monotonic() < deadline, "no step checkpoint within 240 s"
         time.sleep(0.01)
@@ -111,7 +113,7 @@ def test_run_killed_mid_epoch_resumes_at_the_exact_step_with_the_uninterrupted_w
 ):
     model_dir = str(tmp_path / "run")
     flags = (*RUN, *STRATEGIES[strategy], f"--model_dir={model_dir}")
-    kill_after_first_step_checkpoint(start_training(*flags), model_dir)
+    kill_after_step_checkpoint(start_training(*flags), model_dir)
 
     resumed = run_script("train.py", *flags, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -121,6 +123,30 @@ def test_run_killed_mid_epoch_resumes_at_the_exact_step_with_the_uninterrupted_w
     expected_line = f"Resuming at epoch 1, step {resumes[0]['step']} (from "
     assert expected_line in resumed.stderr
     assert_same_run(model_dir, uninterrupted(strategy))
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_in_one_line(
+    uninterrupted, tmp_path
+):
+    model_dir = str(tmp_path / "run")
+    flags = (*RUN, *STRATEGIES["one_device"], f"--model_dir={model_dir}")
+    # Two mid-epoch checkpoints exist (steps 7 and 14), so the newest has one to fall back to.
+    kill_after_step_checkpoint(start_training(*flags), model_dir, global_step=14)
+    backup = os.path.join(model_dir, "backup")
+    newest_state = sorted(glob.glob(os.path.join(backup, "step-*.json")))[-1]
+    newest = newest_state.replace(".json", ".weights.h5")
+    with open(newest, "r+b") as handle:  # as a disk or a kill mid-copy would leave it
+        handle.truncate(os.path.getsize(newest) // 2)
+
+    resumed = run_script("train.py", *flags, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    fallback_lines = [
+        line for line in resumed.stderr.splitlines() if "incomplete or damaged" in line
+    ]
+    assert len(fallback_lines) == 1
+    assert os.path.basename(newest_state) in fallback_lines[0]
+    assert read_metrics(model_dir)["resumes"][0]["step"] > 0
+    assert_same_run(model_dir, uninterrupted("one_device"))
 
 
 def test_state_file_names_the_position_and_holds_metrics_and_seed_states(uninterrupted):
