@@ -9,4 +9,28 @@ class TrainingError(RuntimeError):
     """Training stopped early (for example on a NaN loss); the message says why."""
 
 
-USER_ERRORS = (ValueError, TrainingError, FileNotFoundError)
+# TensorFlow's own default for a preempted job (Borg): "saved; restart me".
+PREEMPTED_EXIT_CODE = 42
+
+
+class Preempted(RuntimeError):
+    """The run was told to end (SIGTERM) and saved a step checkpoint to resume from.
+
+    Args:
+        epoch: the epoch (0-based) the checkpoint continues in.
+        step: steps of that epoch the checkpoint holds.
+        checkpoint: the checkpoint's weights file.
+    """
+
+    exit_code = PREEMPTED_EXIT_CODE
+
+    def __init__(self, epoch: int, step: int, checkpoint: str):
+        self.epoch, self.step, self.checkpoint = epoch, step, checkpoint
+        super().__init__(
+            f"preempted (SIGTERM): saved a checkpoint at epoch {epoch + 1}, step {step} "
+            f"({checkpoint}); exiting with code {PREEMPTED_EXIT_CODE}, so a restart with "
+            "--resume (or the launcher's --max_restarts) continues from it."
+        )
+
+
+USER_ERRORS = (ValueError, TrainingError, FileNotFoundError, Preempted)

@@ -19,7 +19,10 @@ def parse_flags_or_exit(argv: list[str]) -> list[str]:
 
 
 def run_script(main: Callable[[list[str]], None], user_errors: tuple[type, ...]) -> None:
-    """Runs `main` with absl, turning any of `user_errors` into one line and exit 1.
+    """Runs `main` with absl, turning any of `user_errors` into one line and an exit code.
+
+    The code is the error's `exit_code` attribute if it has one (a preemption's
+    "restart me"), else 1.
 
     Args:
         main: the script's main function.
@@ -31,6 +34,6 @@ def run_script(main: Callable[[list[str]], None], user_errors: tuple[type, ...])
             main(argv)
         except user_errors as error:
             print(f"{os.path.basename(argv[0])}: error: {error}", file=sys.stderr)
-            sys.exit(1)
+            sys.exit(getattr(error, "exit_code", 1))
 
     app.run(guarded_main, flags_parser=parse_flags_or_exit)
