@@ -159,3 +159,37 @@ def test_state_file_names_the_position_and_holds_metrics_and_seed_states(uninter
     assert (state["epoch"], state["step"], state["global_step"]) == (2, 0, 80)
     kept = sorted(name for name in os.listdir(backup) if name.endswith(".json"))
     assert kept == ["latest.json", "step-000000077.json", "step-000000080.json"]
+
+
+def terminate_after_step_checkpoint(process: subprocess.Popen, model_dir: str) -> int:
+    """SIGTERMs the run once its first step checkpoint exists; returns the exit code."""
+    state = os.path.join(model_dir, "backup", "step-000000007.json")
+    deadline = time.monotonic() + 240
+    while not os.path.exists(state):
+        assert process.poll() is None, "the run ended before its first step checkpoint"
+        assert time.monotonic() < deadline, "no step checkpoint within 240 s"
+        time.sleep(0.01)
+    os.kill(process.pid, signal.SIGTERM)
+    return process.wait(timeout=240)
+
+
+@pytest.mark.parametrize("strategy", ["one_device", "pipeline"])
+def test_sigterm_saves_a_checkpoint_exits_with_the_restart_code_and_resumes_exactly(
+    strategy, uninterrupted, tmp_path
+):
+    model_dir = str(tmp_path / "run")
+    flags = (*RUN, *STRATEGIES[strategy], f"--model_dir={model_dir}")
+    assert terminate_after_step_checkpoint(start_training(*flags), model_dir) == 42
+
+    (preemption,) = read_metrics(model_dir)["preemptions"]
+    assert read_metrics(model_dir)["status"] == "preempted"
+    # Saved at the step after the signal: past the step-7 checkpoint that prompted it.
+    position = (preemption["epoch"] - 1) * 40 + preemption["step"]
+    assert position > 7
+    assert os.path.exists(os.path.join(model_dir, "backup", preemption["checkpoint"]))
+
+    resumed = run_script("train.py", *flags, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (resume,) = read_metrics(model_dir)["resumes"]
+    assert (resume["epoch"], resume["step"]) == (preemption["epoch"], preemption["step"])
+    assert_same_run(model_dir, uninterrupted(strategy))

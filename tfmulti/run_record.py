@@ -44,18 +44,20 @@ class RunRecord:
 
     def __init__(self, directory: str | None, run: dict, resume_from_epoch: int | None = None):
         self.path = os.path.join(directory, METRICS_FILE) if directory else None
-        epochs, resumes = [], []
+        epochs, resumes, preemptions = [], [], []
         if resume_from_epoch is not None and self.path and os.path.exists(self.path):
             with open(self.path) as handle:
                 previous = json.load(handle)
             epochs = [e for e in previous["epochs"] if e["epoch"] <= resume_from_epoch]
             resumes = previous.get("resumes", [])
+            preemptions = previous.get("preemptions", [])
         self.record = {
             "run": run,
             "status": "running",
             "failure": None,
             "epochs": epochs,
             "resumes": resumes,
+            "preemptions": preemptions,
         }
         self.record["final"] = {}
         self.write()
@@ -65,6 +67,14 @@ class RunRecord:
         self.record["resumes"].append(
             {"epoch": epoch, "step": step, "checkpoint": checkpoint, "time": when}
         )
+        self.write()
+
+    def add_preemption(self, epoch: int, step: int, checkpoint: str, when: float) -> None:
+        """Notes that the run was preempted and saved `step` steps into `epoch` (1-based)."""
+        self.record["preemptions"].append(
+            {"epoch": epoch, "step": step, "checkpoint": checkpoint, "time": when}
+        )
+        self.record["status"] = "preempted"
         self.write()
 
     def add_epoch(self, epoch: int, logs: dict) -> None:

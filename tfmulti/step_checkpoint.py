@@ -93,6 +93,8 @@ class StepCheckpoint(keras.callbacks.Callback):
         self.keep = max(2, keep)
         self.start = start
         self._epoch = start.epoch if start else 0
+        self.position = (start.epoch, start.step) if start else (0, 0)
+        self.last_saved: str | None = None
         # Without step saves the batch hooks do nothing, so Keras need not wait on each step.
         self.async_safe = not every_steps
 
@@ -100,10 +102,12 @@ class StepCheckpoint(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        if not self.every_steps:
-            return
         resumed_steps = self.start.step if self.start and self._epoch == self.start.epoch else 0
         step = resumed_steps + batch + 1
+        # (epoch, steps of it trained): where a save now would let a resumed run continue.
+        self.position = (self._epoch, step)
+        if not self.every_steps:
+            return
         global_step = self._epoch * self.steps_per_epoch + step
         if global_step % self.every_steps == 0 and step < self.steps_per_epoch:
             self.save(self._epoch, step)
@@ -130,6 +134,7 @@ class StepCheckpoint(keras.callbacks.Callback):
         write_json_atomically(os.path.join(self.directory, f"{stem}.json"), state)
         write_json_atomically(os.path.join(self.directory, LATEST_FILE), {"state": f"{stem}.json"})
         self._delete_old()
+        self.last_saved = weights_path
         return weights_path
 
     def _delete_old(self) -> None:

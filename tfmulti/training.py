@@ -16,7 +16,7 @@ from tfmulti.checkpointing import EpochCheckpoint, latest_checkpoint
 from tfmulti.cluster import ClusterInfo, worker_output_dir
 from tfmulti.compat import tf_profiler, worker_paths
 from tfmulti.config import TrainConfig
-from tfmulti.errors import TrainingError
+from tfmulti.errors import Preempted, TrainingError
 from tfmulti.hybrid import worker_rows
 from tfmulti.input_sharding import check_file_sharding
 from tfmulti.model_setup import (
@@ -26,6 +26,7 @@ from tfmulti.model_setup import (
     resolve_run_cluster,
 )
 from tfmulti.names import HYBRID_STRATEGY_NAME, RESTART_COUNT_VARIABLE
+from tfmulti.preemption import SaveOnPreemption
 from tfmulti.profiling import ProfileSteps
 from tfmulti.run_record import METRICS_FILE, RecordEpochs, RunRecord
 from tfmulti.step_checkpoint import (
@@ -83,6 +84,7 @@ def standard_callbacks(
     steps_per_epoch: int,
     cluster: ClusterInfo | None = None,
     resume_point: ResumePoint | None = None,
+    cluster_resolver=None,
 ) -> tuple[list[keras.callbacks.Callback], StopOnNonFiniteLoss]:
     """Returns the callbacks every tfmulti run uses, and the NaN guard among them.
 
@@ -90,21 +92,24 @@ def standard_callbacks(
     non-chief workers); Keras's get the user's `model_dir`, and the multi-worker
     compat fix sends non-chief workers' copies to scratch. A run resumed mid-epoch
     restores its checkpoint and first finishes that epoch's remaining steps (`ResumeRun`).
+    On SIGTERM the group saves a step checkpoint at an agreed step and raises `Preempted`
+    (`cluster_resolver`: the multi-worker strategy's, for the agreement).
     """
     logs_dir = os.path.join(output_dir, "logs")
     nan_guard = StopOnNonFiniteLoss()
+    step_checkpoint = StepCheckpoint(
+        resume_directory(output_dir),
+        steps_per_epoch,
+        every_steps=config.checkpoint_steps,
+        start=resume_point,
+    )
     callbacks = [ResumeRun(resume_point, steps_per_epoch)] if resume_point else []
     callbacks += [
         nan_guard,
         ThroughputLogger(
             config.batch_size, log_steps=config.log_steps, log_dir=os.path.join(logs_dir, "train")
         ),
-        StepCheckpoint(
-            resume_directory(output_dir),
-            steps_per_epoch,
-            every_steps=config.checkpoint_steps,
-            start=resume_point,
-        ),
+        step_checkpoint,
         EpochCheckpoint(os.path.join(output_dir, "checkpoints"), keep=config.keep_checkpoints),
         RecordEpochs(record),
         _batch_hooks_idle(
@@ -117,6 +122,8 @@ def standard_callbacks(
         callbacks.append(PipelineTimelineCallback(logs_dir, steps=config.trace_steps))
     if config.profile_steps:
         callbacks += _profile_callbacks(config, cluster)
+    # Last: a preemption at an epoch's end waits for every record of that epoch.
+    callbacks.append(SaveOnPreemption(step_checkpoint, cluster_resolver))
     return callbacks, nan_guard
 
 
@@ -215,7 +222,13 @@ def train(config: TrainConfig) -> dict:
             resume_point.weights_path,
         )
     callbacks, nan_guard = standard_callbacks(
-        config, output_dir, record, data.steps_per_epoch, cluster, resume_point
+        config,
+        output_dir,
+        record,
+        data.steps_per_epoch,
+        cluster,
+        resume_point,
+        cluster_resolver=getattr(strategy, "cluster_resolver", None) if cluster else None,
     )
     if hybrid and cluster is not None and not cluster.is_chief:
         # No multi-worker strategy scope here, so the compat fix does not redirect them.
@@ -230,16 +243,22 @@ def train(config: TrainConfig) -> dict:
         per_replica,
     )
     validation_steps = config.validation_steps or data.validation_steps
-    model.fit(
-        data.train,
-        validation_data=data.validation,
-        epochs=config.epochs,
-        initial_epoch=resume_point.epoch if resume_point else 0,
-        steps_per_epoch=data.steps_per_epoch,
-        validation_steps=validation_steps,
-        callbacks=callbacks,
-        verbose=2,
-    )
+    try:
+        model.fit(
+            data.train,
+            validation_data=data.validation,
+            epochs=config.epochs,
+            initial_epoch=resume_point.epoch if resume_point else 0,
+            steps_per_epoch=data.steps_per_epoch,
+            validation_steps=validation_steps,
+            callbacks=callbacks,
+            verbose=2,
+        )
+    except Preempted as preempted:
+        record.add_preemption(
+            preempted.epoch + 1, preempted.step, os.path.basename(preempted.checkpoint), time.time()
+        )
+        raise
     if nan_guard.failure:
         last_good = latest_checkpoint(os.path.join(output_dir, "checkpoints"))
         message = f"{nan_guard.failure}; last good checkpoint: {last_good or 'none yet'}"
