@@ -188,12 +188,30 @@ def _worker_pid(model_dir: str, rank: int) -> int | None:
     return None
 
 
-def test_sigkilled_worker_restarts_the_group_which_resumes_the_exact_step_by_itself(tmp_path):
+def _signal_worker_once_checkpointed(
+    launcher: subprocess.Popen, model_dir: str, global_step: int, signum: int
+) -> int:
+    """Sends `signum` to worker 1 once the chief's step checkpoint `global_step` exists."""
+    checkpoint = os.path.join(model_dir, "backup", f"step-{global_step:09d}.json")
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and launcher.poll() is None:
+        if os.path.exists(checkpoint):
+            pid = _worker_pid(model_dir, rank=1)
+            if pid is not None:
+                os.kill(pid, signum)
+                return pid
+        time.sleep(0.01)
+    raise AssertionError(f"no step checkpoint {global_step} while the launcher ran")
+
+
+def test_preempted_then_killed_workers_restart_the_group_which_resumes_the_exact_step(
+    tmp_path,
+):
     model_dir = str(tmp_path / "run")
     flags = (*COMMON, "--epochs=4", "--steps_per_epoch=40", "--checkpoint_steps=10")
     launcher = launch(
         "--num_workers=2",
-        "--max_restarts=1",
+        "--max_restarts=2",
         "--",
         sys.executable,
         "scripts/train.py",
@@ -203,30 +221,28 @@ def test_sigkilled_worker_restarts_the_group_which_resumes_the_exact_step_by_its
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-    # Killed once epoch 2 has a step checkpoint (global step 50 = epoch 2, step 10).
-    mid_epoch_checkpoint = os.path.join(model_dir, "backup", "step-000000050.json")
-    deadline = time.monotonic() + 180
-    killed = None
-    while killed is None and time.monotonic() < deadline and launcher.poll() is None:
-        if os.path.exists(mid_epoch_checkpoint):
-            pid = _worker_pid(model_dir, rank=1)
-            if pid is not None:
-                os.kill(pid, signal.SIGKILL)
-                killed = pid
-        time.sleep(0.01)
-    output, _ = launcher.communicate(timeout=240)
-    assert killed is not None, output[-3000:]
+    try:
+        # SIGTERM in epoch 2 (after global step 50): both workers save at the step they
+        # agree on and exit 42. SIGKILL in epoch 3 (after step 90): a crash, no save.
+        _signal_worker_once_checkpointed(launcher, model_dir, 50, signal.SIGTERM)
+        _signal_worker_once_checkpointed(launcher, model_dir, 90, signal.SIGKILL)
+        output, _ = launcher.communicate(timeout=300)
+    finally:
+        launcher.kill()
     assert launcher.returncode == 0, output[-3000:]
-    assert "worker 1" in output and "SIGKILL" in output
-    assert "restarting all workers" in output
-    after_restart = output.split("restarting all workers", 1)[1]
-    assert "Epoch 1/4" not in after_restart
+    assert "worker 1 was preempted and saved a checkpoint (code 42)" in output
+    assert "worker 1 was killed by SIGKILL" in output
+    assert output.count("restarting all workers") == 2
+    assert "Epoch 1/4" not in output.split("restarting all workers", 1)[1]
     metrics = read_metrics(model_dir)
     assert metrics["status"] == "completed"
     assert [epoch["epoch"] for epoch in metrics["epochs"]] == [1, 2, 3, 4]
-    (resume,) = metrics["resumes"]
-    assert resume["epoch"] == 2 and resume["step"] in (10, 20, 30)
-    assert f"Resuming at epoch 2, step {resume['step']}" in after_restart
+    (preemption,) = metrics["preemptions"]
+    after_preemption, after_kill = metrics["resumes"]
+    assert preemption["epoch"] == 2 and preemption["step"] > 10
+    assert (after_preemption["epoch"], after_preemption["step"]) == (2, preemption["step"])
+    assert after_kill["epoch"] == 3 and after_kill["step"] in (10, 20, 30)
+    assert f"Resuming at epoch 3, step {after_kill['step']}" in output
 
     reference_dir = str(tmp_path / "one_device")
     reference = run_script(

@@ -4,13 +4,11 @@ Scripts print these as one line and exit non-zero; anything else is a bug
 and keeps its traceback.
 """
 
+from tfmulti.names import PREEMPTED_EXIT_CODE
+
 
 class TrainingError(RuntimeError):
     """Training stopped early (for example on a NaN loss); the message says why."""
-
-
-# TensorFlow's own default for a preempted job (Borg): "saved; restart me".
-PREEMPTED_EXIT_CODE = 42
 
 
 class Preempted(RuntimeError):

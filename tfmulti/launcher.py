@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from tfmulti.names import RESTART_COUNT_VARIABLE
+from tfmulti.names import PREEMPTED_EXIT_CODE, RESTART_COUNT_VARIABLE
 
 VIRTUAL_DEVICES_ENV = "TFMULTI_VIRTUAL_DEVICES"
 _POLL_SECONDS = 0.05
@@ -41,7 +41,16 @@ class WorkerExit:
     rank: int
     returncode: int
 
+    @property
+    def preempted(self) -> bool:
+        """The worker saved a checkpoint on SIGTERM and asks to be restarted."""
+        return self.returncode == PREEMPTED_EXIT_CODE
+
     def describe(self) -> str:
+        if self.preempted:
+            return (
+                f"worker {self.rank} was preempted and saved a checkpoint (code {self.returncode})"
+            )
         if self.returncode < 0:
             return f"worker {self.rank} was killed by {signal.Signals(-self.returncode).name}"
         return f"worker {self.rank} exited with code {self.returncode}"
@@ -218,9 +227,18 @@ class WorkerGroup:
             time.sleep(_POLL_SECONDS)
         return None
 
-    def stop(self, grace_seconds: float) -> None:
-        """Sends SIGTERM to every worker's process group, then SIGKILL after the grace period."""
-        self._signal_groups(signal.SIGTERM)
+    @property
+    def returncodes(self) -> list[int | None]:
+        return [process.poll() for process in self.processes]
+
+    def stop(self, grace_seconds: float, terminate: bool = True) -> None:
+        """Ends every worker's process group: SIGTERM (if `terminate`), SIGKILL after the grace.
+
+        Without `terminate` the workers get the grace period to exit by themselves, as
+        preempted peers do once they have saved at the step they agreed on.
+        """
+        if terminate:
+            self._signal_groups(signal.SIGTERM)
         deadline = time.monotonic() + grace_seconds
         while time.monotonic() < deadline and any(p.poll() is None for p in self.processes):
             time.sleep(_POLL_SECONDS)
@@ -296,9 +314,17 @@ def launch(
                 environment[RESTART_COUNT_VARIABLE] = str(attempt)
             group = WorkerGroup(command, environments, stream)
             failure = group.wait(should_stop)
-            group.stop(grace_seconds)
+            # A preempted worker's peers save at the same step and exit by themselves.
+            group.stop(grace_seconds, terminate=not (failure and failure.preempted))
             if received_signals:
                 name = signal.Signals(received_signals[0]).name
+                if PREEMPTED_EXIT_CODE in group.returncodes:
+                    # Workers saved on the forwarded SIGTERM: tell a cluster manager so.
+                    messages.write(
+                        f"launch: received {name}; workers saved a checkpoint and stopped "
+                        f"(code {PREEMPTED_EXIT_CODE}: restart to resume)\n"
+                    )
+                    return PREEMPTED_EXIT_CODE
                 messages.write(f"launch: received {name}; stopped all workers\n")
                 return 128 + received_signals[0]
             if failure is None:
