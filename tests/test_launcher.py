@@ -144,6 +144,61 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
     assert_no_survivors(tmp_path)
 
 
+def test_sigterm_to_the_launcher_exits_42_once_the_workers_saved(tmp_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    command = [
+        sys.executable,
+        LAUNCH,
+        "--num_workers=2",
+        "--",
+        sys.executable,
+        WORKER,
+        "--pid_dir",
+        str(pid_dir),
+        "--run_seconds=60",
+        "--save_on_sigterm",
+    ]
+    launcher = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(pid_dir.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=30)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    # As a cluster manager reads it: saved, restart me.
+    assert launcher.returncode == 42, stderr
+    assert "workers saved a checkpoint and stopped (code 42" in stderr
+    assert sorted(p.name for p in pid_dir.glob("sigterm-*")) == ["sigterm-0", "sigterm-1"]
+
+
+def test_preempted_worker_lets_its_peers_finish_their_save_before_the_group_restarts(tmp_path):
+    marker = tmp_path / "preempted-once"
+    result = run_launcher(
+        ["--num_workers=2", "--max_restarts=1", "--grace_seconds=5"],
+        [
+            "--pid_dir",
+            str(tmp_path),
+            "--fail_rank=1",
+            "--fail_with=preempted",
+            f"--fail_once_marker={marker}",
+            "--run_seconds=1.5",
+            "--save_on_sigterm",
+        ],
+    )
+    assert result.returncode == 0, result.stderr
+    assert "worker 1 was preempted and saved a checkpoint (code 42)" in result.stderr
+    assert "restarting all workers (1/1)" in result.stderr
+    # Worker 0 was not sent SIGTERM: it ran to its end within the grace period.
+    assert not list(tmp_path.glob("sigterm-*"))
+    assert result.stdout.count("done") == 3
+
+
 @pytest.mark.parametrize(
     "flags, named",
     [
