@@ -107,7 +107,7 @@ def build_hybrid_model(
     if mesh.tensor > 1:
         raise MeshError(
             f"Mesh {mesh} asks for tensor parallelism, which hybrid training does not "
-            "support yet. Received: tensor={mesh.tensor}; use tensor=1."
+            f"support yet. Received: tensor={mesh.tensor}; use tensor=1."
         )
     devices = list(devices) if devices is not None else local_device_names(cluster)
     num_workers = cluster.num_workers if cluster is not None else 1
