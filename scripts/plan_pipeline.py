@@ -26,6 +26,7 @@ import sys
 
 from absl import app, flags
 
+from tfmulti.flags.help import install_help_flags
 from tfmulti.pipeline import (
     SCHEDULE_NAMES,
     CostModel,
@@ -287,6 +288,7 @@ def _fail(message: str) -> None:
 
 
 def _parse_flags_or_fail(argv):
+    install_help_flags(__doc__, title="plan")
     try:
         return FLAGS(argv)
     except flags.Error as error:

@@ -1,4 +1,4 @@
-"""`tfmulti-launch`: run a training command as a local multi-worker cluster.
+r"""`tfmulti-launch`: run a training command as a local multi-worker cluster.
 
 Usage:
     tfmulti-launch --num_workers=2 [--devices_per_worker=2] [--max_restarts=1] \
@@ -10,6 +10,7 @@ import sys
 from absl import app, flags
 
 from tfmulti import launcher
+from tfmulti.flags.help import install_help_flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_workers", None, "Worker processes to start (>= 1).", lower_bound=1)
@@ -32,8 +33,9 @@ flags.register_validator(
 )
 
 
-def parse_flags_or_exit(argv):
+def parse_flags_or_exit(argv: list[str]) -> list[str]:
     """Parses flags; a bad flag is reported in one line, without a traceback."""
+    install_help_flags(__doc__, __name__, title="launcher")
     try:
         return FLAGS(argv)
     except flags.Error as error:

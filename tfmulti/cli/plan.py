@@ -1,4 +1,4 @@
-"""Plan how to train a model on N devices: mesh, schedule, micro-batches and stage split.
+r"""Plan how to train a model on N devices: mesh, schedule, micro-batches and stage split.
 
 Measures the model's blocks on this machine (or reads --costs), searches every
 data x pipe x tensor mesh, schedule, micro-batch count and stage split by simulation, and
@@ -255,4 +255,4 @@ def main() -> None:
     """Plans from the command line's flags (the `tfmulti-plan` command)."""
     from tfmulti.errors import USER_ERRORS
 
-    run_script(_plan, USER_ERRORS)
+    run_script(_plan, USER_ERRORS, usage=__doc__, module=__name__, title="planner")

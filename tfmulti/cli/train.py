@@ -1,4 +1,4 @@
-"""`tfmulti-train`: train a reference model or your own, spread over devices.
+r"""`tfmulti-train`: train a reference model or your own, spread over devices.
 
 Examples:
     tfmulti-train --strategy=mirrored --virtual_devices=4 --model=convnet \
@@ -39,4 +39,4 @@ def main() -> None:
     """Runs training from the command line's flags (the `tfmulti-train` command)."""
     from tfmulti.errors import USER_ERRORS
 
-    run_script(_train, USER_ERRORS)
+    run_script(_train, USER_ERRORS, usage=__doc__, module=__name__)

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable
 
 from absl import app, flags
 
+from tfmulti.flags.help import install_help_flags
 
-def parse_flags_or_exit(argv: list[str]) -> list[str]:
-    """Parses `argv` into absl's FLAGS; on error prints one line and exits with 2."""
+
+def parse_flags_or_exit(
+    argv: list[str], usage: str | None = None, module: str = "__main__", title: str = "options"
+) -> list[str]:
+    """Parses `argv` into absl's FLAGS; on error prints one line and exits with 2.
+
+    `--help` lists the flag groups and `module`'s own flags (see `install_help_flags`).
+    """
+    install_help_flags(usage, module, title)
     try:
         return flags.FLAGS(argv)
     except flags.Error as error:
@@ -18,7 +27,13 @@ def parse_flags_or_exit(argv: list[str]) -> list[str]:
         sys.exit(2)
 
 
-def run_script(main: Callable[[list[str]], None], user_errors: tuple[type, ...]) -> None:
+def run_script(
+    main: Callable[[list[str]], None],
+    user_errors: tuple[type, ...],
+    usage: str | None = None,
+    module: str = "__main__",
+    title: str = "options",
+) -> None:
     """Runs `main` with absl, turning any of `user_errors` into one line and an exit code.
 
     The code is the error's `exit_code` attribute if it has one (a preemption's
@@ -27,6 +42,9 @@ def run_script(main: Callable[[list[str]], None], user_errors: tuple[type, ...])
     Args:
         main: the script's main function.
         user_errors: exception types that mean bad input, not a bug.
+        usage: the text `--help` starts with (default: `__main__`'s docstring).
+        module: the module whose own flags `--help` lists after the flag groups.
+        title: the heading of those flags.
     """
 
     def guarded_main(argv):
@@ -36,4 +54,5 @@ def run_script(main: Callable[[list[str]], None], user_errors: tuple[type, ...])
             print(f"{os.path.basename(argv[0])}: error: {error}", file=sys.stderr)
             sys.exit(getattr(error, "exit_code", 1))
 
-    app.run(guarded_main, flags_parser=parse_flags_or_exit)
+    parser = functools.partial(parse_flags_or_exit, usage=usage, module=module, title=title)
+    app.run(guarded_main, flags_parser=parser)

@@ -8,6 +8,7 @@ import os
 from absl import flags
 
 from tfmulti.config import DTYPE_POLICIES, OPTIMIZER_NAMES, TrainConfig
+from tfmulti.flags.help import flag_group
 from tfmulti.launcher import VIRTUAL_DEVICES_ENV
 from tfmulti.names import ALL_REDUCE_NAMES, DATASET_NAMES, MODEL_NAMES, TRAIN_STRATEGY_NAMES
 from tfmulti.pipeline.schedules import SCHEDULE_NAMES
@@ -40,6 +41,7 @@ def parse_model_option(text: str) -> tuple[str, object] | None:
         return name.strip(), value.strip()
 
 
+@flag_group("devices")
 def define_device_flags() -> None:
     """Strategy and device flags."""
     flags.DEFINE_enum("strategy", "mirrored", TRAIN_STRATEGY_NAMES, "How to spread training.")
@@ -58,6 +60,7 @@ def define_device_flags() -> None:
     )
 
 
+@flag_group("model and data")
 def define_data_flags() -> None:
     """Model and data flags."""
     flags.DEFINE_string(
@@ -98,6 +101,7 @@ def define_data_flags() -> None:
     )
 
 
+@flag_group("training loop")
 def define_loop_flags() -> None:
     """Optimisation and training-loop flags."""
     flags.DEFINE_integer(
@@ -119,6 +123,7 @@ def define_loop_flags() -> None:
     )
 
 
+@flag_group("output")
 def define_output_flags() -> None:
     """Output, logging and profiling flags."""
     flags.DEFINE_string("model_dir", "runs/default", "Where logs, checkpoints and metrics go.")
@@ -172,6 +177,7 @@ def _is_mesh(text: str | None) -> bool:
         return False
 
 
+@flag_group("pipeline, model, tensor and hybrid parallelism")
 def define_pipeline_flags() -> None:
     """Flags of --strategy=pipeline and --strategy=model_parallel."""
     flags.DEFINE_integer(
@@ -258,6 +264,7 @@ def define_pipeline_flags() -> None:
     )
 
 
+@flag_group("cluster (multi-worker)")
 def define_cluster_flags() -> None:
     """Flags of --strategy=multi_worker (else TF_CONFIG or SLURM describe the cluster)."""
     flags.DEFINE_list(
@@ -297,9 +304,9 @@ def define_cluster_flags() -> None:
 def define_train_flags() -> None:
     """Defines every flag of `scripts/train.py`."""
     define_device_flags()
-    define_cluster_flags()
-    define_pipeline_flags()
     define_data_flags()
+    define_pipeline_flags()
+    define_cluster_flags()
     define_loop_flags()
     define_output_flags()
     flags.register_multi_flags_validator(
