@@ -25,6 +25,8 @@ from tfmulti.pipeline.runtime.microbatches import (
     even_sizes,
     microbatch_sizes,
     split_microbatches,
+    split_padded_microbatches,
+    trim_microbatches,
 )
 from tfmulti.spread import check_batch_splits
 
@@ -178,6 +180,48 @@ def test_empty_microbatches_add_no_nan_when_the_loss_is_a_mean_over_no_rows():
     histories = _fit_both(model, reference, "sgd", _batch_mean_squared_error, x, y, None, 32)
     assert np.isfinite(histories[1]).all()
     _assert_trained_like(model, reference, initial, histories)
+
+
+def test_padded_split_gives_rowless_parts_a_padding_row_that_trimming_removes():
+    x = tf.reshape(tf.range(3 * 2), (3, 2))
+    for sizes in (even_sizes(3, 5), even_sizes(tf.constant(3), 5)):
+        parts = split_padded_microbatches((x, None), sizes)
+        assert [int(tf.shape(part[0])[0]) for part in parts] == [1, 1, 1, 1, 1]
+        assert all(part[1] is None for part in parts)
+        trimmed = trim_microbatches([part[0] for part in parts], sizes)
+        np.testing.assert_array_equal(concat_microbatches(trimmed).numpy(), x.numpy())
+
+
+def _batch_norm_pipeline(num_microbatches):
+    keras.utils.set_random_seed(3)
+    stages = [
+        keras.Sequential([keras.layers.Dense(4), keras.layers.BatchNormalization()]),
+        keras.Sequential([keras.layers.Dense(OUTPUTS)]),
+    ]
+    model = PipelineModel(stages, logical_device_names("CPU")[:2], num_microbatches, "1f1b")
+    model.compile(optimizer=_optimizer("adam"), loss="mse")
+    return model
+
+
+def test_batch_norm_trains_on_a_batch_with_fewer_rows_than_microbatches():
+    # 2 rows in 4 micro-batches: two run on one row each, two on a padding row. The padding
+    # adds nothing: the weights equal 2 micro-batches of one row (BatchNorm normalizes each
+    # micro-batch alone, so both pipelines see the same statistics). Before the padding,
+    # BatchNorm's mean over no rows made the weights NaN.
+    x, y, _ = _data(2)
+    padded, exact = _batch_norm_pipeline(4), _batch_norm_pipeline(2)
+    exact(x[:1])
+    padded(x[:1])
+    padded.set_weights(exact.get_weights())
+    initial = exact.get_weights()
+    for model in (padded, exact):
+        model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    for stage_padded, stage_exact in zip(padded.stages, exact.stages, strict=True):
+        for a, b in zip(stage_padded.trainable_weights, stage_exact.trainable_weights, strict=True):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+    assert all(np.isfinite(w).all() for w in padded.get_weights())
+    trained = exact.get_weights()
+    assert max(np.abs(a - b).max() for a, b in zip(initial, trained, strict=True)) > 1e-3
 
 
 def test_a_summed_loss_is_refused_in_one_line_naming_the_reduction():

@@ -18,6 +18,7 @@ from tfmulti.pipeline.runtime.microbatches import (
     concat_microbatches,
     microbatch_sizes,
     split_microbatches,
+    split_padded_microbatches,
 )
 from tfmulti.pipeline.runtime.optimizer_placement import place_optimizer_on_variable_devices
 from tfmulti.pipeline.runtime.pipeline_model import PipelineModel
@@ -126,14 +127,17 @@ class HybridPipelineModel(keras.Model):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         self._build_replicas(x)
         sizes = microbatch_sizes(x, len(self.replicas))
-        x_parts = split_microbatches(x, sizes)
-        y_parts = split_microbatches(y, sizes)
-        weight_parts = split_microbatches(sample_weight, sizes)
+        # A replica left without rows runs on a padding row that counts for nothing.
+        x_parts = split_padded_microbatches(x, sizes)
+        y_parts = split_padded_microbatches(y, sizes)
+        weight_parts = split_padded_microbatches(sample_weight, sizes)
         totals = self._step_totals(batch_totals(x, sample_weight))
         results = [
-            replica.run_schedule(x_part, y_part, weight_part, loss_model=self, totals=totals)
-            for replica, x_part, y_part, weight_part in zip(
-                self.replicas, x_parts, y_parts, weight_parts, strict=True
+            replica.run_schedule(
+                x_part, y_part, weight_part, loss_model=self, totals=totals, rows=rows
+            )
+            for replica, x_part, y_part, weight_part, rows in zip(
+                self.replicas, x_parts, y_parts, weight_parts, _each(sizes), strict=True
             )
         ]
         gradients = self._summed_gradients(results)
@@ -251,3 +255,10 @@ class HybridPipelineModel(keras.Model):
             return loss
         device = self.replicas[0].stage_devices[-1]
         return self.worker_collectives.sum([loss], [device], keys=[self._loss_key()])[0]
+
+
+def _each(sizes) -> list:
+    """The entries of a list or of a rank-1 tensor of static length."""
+    return [
+        sizes[index] for index in range(len(sizes) if isinstance(sizes, list) else sizes.shape[0])
+    ]

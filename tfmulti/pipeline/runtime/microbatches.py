@@ -73,6 +73,54 @@ def split_microbatches(nest, sizes) -> list:
     ]
 
 
+def may_be_empty(sizes) -> bool:
+    """Whether a part of `sizes` has or may have no rows (fewer rows than parts)."""
+    return not isinstance(sizes, list) or min(sizes) == 0
+
+
+def split_padded_microbatches(nest, sizes) -> list:
+    """Like `split_microbatches`, but a part of no rows gets a copy of the batch's last row.
+
+    Layers that average over a micro-batch (BatchNorm in training) give NaN on no rows, and
+    NaN times a zero loss share is still NaN in the gradients. A padded part has finite
+    values; its loss share stays 0 (`loss_share` reads the real `sizes`), so it adds nothing
+    to the gradients. Cut its rows from the outputs with `trim_microbatches`.
+
+    Args:
+        nest: a nest of tensors with the same number of rows (at least one), or None.
+        sizes: rows of each part, from `microbatch_sizes`; rows of `nest` beyond their
+            sum are padding themselves (a part of a padded batch).
+    """
+    if not may_be_empty(sizes):
+        return split_microbatches(nest, sizes)
+    num_parts = len(sizes) if isinstance(sizes, list) else int(sizes.shape[0])
+    if nest is None:
+        return [None] * num_parts
+    sizes = tf.convert_to_tensor(sizes, tf.int32)
+    starts = tf.cumsum(sizes, exclusive=True)
+    rows = [starts[index] + tf.range(tf.maximum(sizes[index], 1)) for index in range(num_parts)]
+
+    def gather(t, part_rows):
+        if t is None:
+            return None
+        return tf.gather(t, tf.minimum(part_rows, tf.shape(t)[0] - 1))
+
+    return [
+        tf.nest.map_structure(lambda t, part_rows=part_rows: gather(t, part_rows), nest)
+        for part_rows in rows
+    ]
+
+
+def trim_microbatches(nests: list, sizes) -> list:
+    """Each nest of `nests` cut to its real rows, undoing `split_padded_microbatches`."""
+    if not may_be_empty(sizes):
+        return nests
+    return [
+        tf.nest.map_structure(lambda t, rows=sizes[index]: None if t is None else t[:rows], nest)
+        for index, nest in enumerate(nests)
+    ]
+
+
 def concat_microbatches(nests: list):
     """Joins micro-batch nests of the same structure back into one batch nest."""
     if len(nests) == 1:

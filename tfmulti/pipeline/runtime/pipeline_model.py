@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections.abc import Sequence
 
@@ -24,9 +25,11 @@ from tfmulti.pipeline.runtime.loss_shares import (
 from tfmulti.pipeline.runtime.microbatches import (
     batch_rows,
     concat_microbatches,
+    even_sizes,
     microbatch_sizes,
     split_microbatches,
-    static_batch_size,
+    split_padded_microbatches,
+    trim_microbatches,
 )
 from tfmulti.pipeline.runtime.model_stages import stages_from_model
 from tfmulti.pipeline.runtime.optimizer_placement import place_optimizer_on_variable_devices
@@ -159,6 +162,7 @@ class PipelineModel(keras.Model):
         sample_weight=None,
         loss_model: keras.Model | None = None,
         totals: BatchTotals | None = None,
+        rows=None,
     ) -> StepResult:
         """Runs the schedule's forwards and backwards on one batch; applies nothing.
 
@@ -170,6 +174,8 @@ class PipelineModel(keras.Model):
                 pipelines and applies their gradients itself passes itself.
             totals: the rows (and sample-weight sum) of the whole batch this one is part
                 of, e.g. over several pipelines; default this batch's.
+            rows: how many leading rows of the batch are real (an int or int32 scalar
+                tensor), when the rest is padding; default all of them.
 
         Returns:
             A `StepResult`: `losses` are each micro-batch's loss times its share of the
@@ -180,19 +186,16 @@ class PipelineModel(keras.Model):
         totals = batch_totals(x, sample_weight) if totals is None else totals
         reduction = loss_reduction(loss_model)
         self.build_stages(x)
-        sizes = microbatch_sizes(x, self.num_microbatches)
-        x_parts = split_microbatches(x, sizes)
-        y_parts = split_microbatches(y, sizes)
-        weight_parts = split_microbatches(sample_weight, sizes)
+        if rows is None:
+            sizes = microbatch_sizes(x, self.num_microbatches)
+        else:
+            sizes = even_sizes(rows, self.num_microbatches)
+        # Fewer rows than micro-batches leaves some with none: they run on a padding row.
+        x_parts = split_padded_microbatches(x, sizes)
+        y_parts = split_padded_microbatches(y, sizes)
+        weight_parts = split_padded_microbatches(sample_weight, sizes)
 
         def microbatch_loss(microbatch, y_pred):
-            if static_batch_size(y_pred) == 0:
-                # Keras leaves the loss of a statically empty batch unreduced, shape (0,).
-                # A sum over no rows is 0 and, unlike a constant, has a gradient to take.
-                empty_loss = tf.add_n(
-                    [tf.reduce_sum(tf.cast(t, tf.float32)) for t in tf.nest.flatten(y_pred)]
-                )
-                return empty_loss, empty_loss
             loss = loss_model._compute_loss(
                 x=x_parts[microbatch],
                 y=y_parts[microbatch],
@@ -201,14 +204,16 @@ class PipelineModel(keras.Model):
                 training=True,
             )
             share = loss_share(reduction, sizes[microbatch], weight_parts[microbatch], totals)
-            # An empty micro-batch counts for nothing, even if its loss is a 0/0 mean.
-            loss = tf.where(share > 0, loss * tf.cast(share, loss.dtype), tf.zeros_like(loss))
+            # A padded micro-batch (no real rows) counts for nothing.
+            has_rows = sizes[microbatch] > 0
+            loss = tf.where(has_rows, loss * tf.cast(share, loss.dtype), tf.zeros_like(loss))
             differentiated = loss
             if loss_model.optimizer is not None:
                 differentiated = loss_model.optimizer.scale_loss(differentiated)
             return loss, differentiated
 
-        return self._executor.run(x_parts, microbatch_loss, trace=self._tracing)
+        result = self._executor.run(x_parts, microbatch_loss, trace=self._tracing)
+        return dataclasses.replace(result, outputs=trim_microbatches(result.outputs, sizes))
 
     def set_step_tracing(self, enabled: bool) -> None:
         """Makes the following training steps record when each action starts and ends.
