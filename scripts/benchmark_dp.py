@@ -23,9 +23,11 @@ Example:
     python scripts/benchmark_dp.py --virtual_devices=2 --steps=100 --rounds=4
 """
 
-import os
+from tfmulti.tf_startup import start_tensorflow
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Imported below at module level (the timer subclasses a Keras callback), so TensorFlow
+# starts before flags are read: TF_CPP_MIN_LOG_LEVEL, not a flag, brings its notices back.
+start_tensorflow()
 
 import json  # noqa: E402
 import statistics  # noqa: E402

@@ -13,18 +13,17 @@ Example:
     python scripts/benchmark_parallel.py --d_models=1024,2048 --rows=2048 --out=/tmp/tp.json
 """
 
-import os
+import json
+import statistics
+import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from absl import flags
 
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+from tfmulti.flags.console_flags import define_console_flags
+from tfmulti.flags.parsing import run_script
+from tfmulti.tf_startup import start_tensorflow
 
-from absl import flags  # noqa: E402
-
-from tfmulti.flags.parsing import run_script  # noqa: E402
-
+define_console_flags()
 flags.DEFINE_list("d_models", ["1024", "2048"], "Model widths; the MLP's hidden width is 4x.")
 flags.DEFINE_list("rows", ["2048"], "Rows per step (batch x sequence length).")
 flags.DEFINE_integer("sequence_length", 128, "Tokens per example.", lower_bound=1)
@@ -125,6 +124,7 @@ def mlp_record(d_model: int, rows: int) -> dict:
 
 def main(argv):
     del argv
+    start_tensorflow(FLAGS.tf_log_level)
     from tfmulti.devices import configure_logical_devices
 
     configure_logical_devices(FLAGS.tensor_parallel, device_type="CPU")

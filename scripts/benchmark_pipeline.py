@@ -18,21 +18,21 @@ Example:
     python scripts/benchmark_pipeline.py --out=/tmp/pipeline.json --plot=/tmp/pipeline.png
 """
 
+import json
 import os
+import statistics
+import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from absl import flags
 
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-
-from absl import flags  # noqa: E402
-
-from tfmulti.flags.parsing import run_script  # noqa: E402
+from tfmulti.flags.console_flags import define_console_flags
+from tfmulti.flags.parsing import run_script
+from tfmulti.tf_startup import start_tensorflow
 
 BENCHMARKS = ("fidelity", "real_compute", "memory")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2")
 
+define_console_flags()
 flags.DEFINE_list("benchmarks", list(BENCHMARKS), f"Which of {BENCHMARKS} to run.")
 flags.DEFINE_list("schedules", list(SCHEDULES), "Schedules for the fidelity benchmark.")
 flags.DEFINE_list("microbatches", ["4", "8", "16"], "Micro-batch counts for fidelity.")
@@ -314,6 +314,7 @@ def plot(records, path):
 
 def main(argv):
     del argv
+    start_tensorflow(FLAGS.tf_log_level)
     import tensorflow as tf
 
     from tfmulti.devices import configure_logical_devices

@@ -10,9 +10,15 @@ import sys
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def script_environment() -> dict:
+    """This process's environment without TF_CPP_MIN_LOG_LEVEL (conftest sets it for the
+    test process): scripts then start TensorFlow as a user's shell would, quietly."""
+    return {name: value for name, value in os.environ.items() if name != "TF_CPP_MIN_LOG_LEVEL"}
+
+
 def run_script(script: str, *args: str, timeout: float = 300, env: dict | None = None):
     """Runs `python scripts/<script> args...`; returns the CompletedProcess (text mode)."""
-    full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
+    full_env = {**script_environment(), **(env or {})}
     return subprocess.run(
         [sys.executable, os.path.join(REPO_ROOT, "scripts", script), *args],
         cwd=REPO_ROOT,
@@ -32,8 +38,9 @@ def last_line(text: str) -> str:
 def launch(*args: str, **popen_options) -> subprocess.Popen:
     """Starts `python scripts/launch.py args...` (text mode); the caller waits for it."""
     command = [sys.executable, os.path.join(REPO_ROOT, "scripts", "launch.py"), *args]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    return subprocess.Popen(command, cwd=REPO_ROOT, env=env, text=True, **popen_options)
+    return subprocess.Popen(
+        command, cwd=REPO_ROOT, env=script_environment(), text=True, **popen_options
+    )
 
 
 # A small run whose result any parallel strategy must reproduce exactly.

@@ -19,31 +19,29 @@ work plus two output all-reduces per pass; memory is parameter state
 """
 
 import json
-import os
 import re
 import sys
 import tempfile
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from absl import flags
 
-from absl import flags  # noqa: E402
-
-from tfmulti.flags.parsing import run_script  # noqa: E402
-from tfmulti.flags.training_flags import define_data_flags, parse_model_option  # noqa: E402
-from tfmulti.planner import Hardware, load_costs, save_costs, search_layouts  # noqa: E402
-from tfmulti.planner.report import (  # noqa: E402
+from tfmulti.flags.console_flags import define_console_flags
+from tfmulti.flags.parsing import run_script
+from tfmulti.flags.training_flags import define_data_flags, parse_model_option
+from tfmulti.planner import Hardware, load_costs, save_costs, search_layouts
+from tfmulti.planner.report import (
     format_layouts,
     format_table,
     layout_json,
     layout_row,
 )
-from tfmulti.planner.train_flags import train_flags  # noqa: E402
-from tfmulti.planner.validation import (  # noqa: E402
+from tfmulti.planner.train_flags import train_flags
+from tfmulti.planner.validation import (
     accepts_flags,
     distinct_layouts,
     measure_layouts,
 )
-from tfmulti.user_code import is_function_reference  # noqa: E402
+from tfmulti.user_code import is_function_reference
 
 FLAGS = flags.FLAGS
 _BYTE_UNITS = {
@@ -53,6 +51,7 @@ _BYTE_UNITS = {
 _BYTES = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 define_data_flags()
+define_console_flags()
 FLAGS.set_default("model", "transformer")
 FLAGS.set_default("dataset", "tokens")
 flags.DEFINE_integer("devices", 8, "Devices to lay the model out on.", lower_bound=1)
@@ -122,6 +121,9 @@ def _parse_bytes(text: str) -> float | None:
 def _model_costs():
     if FLAGS.costs:
         return load_costs(FLAGS.costs)
+    from tfmulti.tf_startup import start_tensorflow
+
+    start_tensorflow(FLAGS.tf_log_level)
     from tfmulti.planner.measure import measure_model_costs
 
     if is_function_reference(FLAGS.model):

@@ -9,19 +9,22 @@ Examples:
 
 import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from absl import flags, logging
 
-from absl import flags, logging  # noqa: E402
-
-from tfmulti.flags.parsing import run_script  # noqa: E402
-from tfmulti.flags.training_flags import config_from_flags, define_train_flags  # noqa: E402
+from tfmulti.flags.console_flags import define_console_flags
+from tfmulti.flags.parsing import run_script
+from tfmulti.flags.training_flags import config_from_flags, define_train_flags
 
 FLAGS = flags.FLAGS
 define_train_flags()
+define_console_flags()
 
 
 def _train(argv: list[str]) -> None:
     del argv
+    from tfmulti.tf_startup import start_tensorflow
+
+    start_tensorflow(FLAGS.tf_log_level)
     if FLAGS.virtual_devices:
         from tfmulti.devices import configure_logical_devices
 
