@@ -23,12 +23,16 @@ __all__ = ["active_fixes", "install", "install_when_keras_loads"]
 def install() -> list[str]:
     """Imports Keras and applies the fixes it needs (idempotent).
 
-    Returns:
-        The names of the active fixes; empty for a Keras that needs none or a
-        backend other than TensorFlow.
-    """
-    from tfmulti.compat import keras_multi_worker
+    Also hooks `keras.distribution` into the TensorFlow backend
+    (`keras_distribution_tf.active_patch_names()` lists those patches).
 
+    Returns:
+        The names of the active multi-worker fixes; empty for a Keras that needs none
+        or a backend other than TensorFlow.
+    """
+    from tfmulti.compat import keras_distribution_tf, keras_multi_worker
+
+    keras_distribution_tf.apply_patches()
     return keras_multi_worker.apply_fixes()
 
 

@@ -1,4 +1,5 @@
-"""Model parallelism: split layers (Megatron-style tensor parallelism) and layer placement.
+"""Model parallelism: split layers (Megatron-style tensor parallelism), layer placement, and
+`keras.distribution` layouts sharded on TensorFlow (`shard`, `variable_bytes_per_device`).
 
 Example:
     >>> from tfmulti.parallel import ParallelMLP, place
@@ -12,6 +13,8 @@ from tfmulti.parallel.communication import (
     cross_device_bytes,
     measure_communication,
 )
+from tfmulti.parallel.keras_distribution import shard
+from tfmulti.parallel.mesh_layout import LayoutNotHonouredWarning
 from tfmulti.parallel.parallel_attention import ParallelSelfAttention
 from tfmulti.parallel.parallel_mlp import ParallelMLP
 from tfmulti.parallel.placement import PlacedModel, place, place_reference_model
@@ -24,11 +27,13 @@ from tfmulti.parallel.sharded_layer import (
 )
 from tfmulti.parallel.split_dense import ColumnParallelDense, RowParallelDense
 from tfmulti.parallel.unsplit import TensorParallelModel, has_tensor_parallel_layers, unsplit_model
+from tfmulti.parallel.variable_bytes import variable_bytes_per_device
 from tfmulti.parallel.vocab_embedding import VocabParallelEmbedding
 
 __all__ = [
     "ColumnParallelDense",
     "CommunicationBytes",
+    "LayoutNotHonouredWarning",
     "ParallelMLP",
     "ParallelSelfAttention",
     "PlacedModel",
@@ -45,6 +50,8 @@ __all__ = [
     "place_reference_model",
     "resolve_shard_devices",
     "set_unsplit_weights",
+    "shard",
     "unsplit_model",
     "unsplit_weights",
+    "variable_bytes_per_device",
 ]

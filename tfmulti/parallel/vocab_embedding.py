@@ -15,6 +15,19 @@ from tfmulti.parallel.shard_devices import check_divisible
 from tfmulti.parallel.sharded_layer import TensorParallelLayer
 
 
+def lookup_in_row_shard(table_shard, ids, first_row: int, dtype):
+    """Rows of `ids` from a shard holding rows [first_row, first_row + len(shard)); zeros elsewhere.
+
+    Summing this over all shards of a table gives the whole table's lookup: each id's row
+    comes from exactly one shard.
+    """
+    rows_in_shard = table_shard.shape[0]
+    local_ids = ids - first_row
+    in_shard = ops.logical_and(local_ids >= 0, local_ids < rows_in_shard)
+    rows = ops.cast(ops.take(table_shard, ops.where(in_shard, local_ids, 0), axis=0), dtype)
+    return rows * ops.cast(in_shard, rows.dtype)[..., None]
+
+
 @keras.saving.register_keras_serializable(package="tfmulti")
 class VocabParallelEmbedding(TensorParallelLayer):
     """An embedding whose rows are split over devices: device k holds ids [k V/K, (k+1) V/K).
@@ -56,11 +69,9 @@ class VocabParallelEmbedding(TensorParallelLayer):
 
     def _shard_lookup(self, index, ids):
         rows_per_shard = self.input_dim // self.num_shards
-        local_ids = ids - index * rows_per_shard
-        in_shard = ops.logical_and(local_ids >= 0, local_ids < rows_per_shard)
-        rows = ops.take(self.embedding_shards[index], ops.where(in_shard, local_ids, 0), axis=0)
-        rows = ops.cast(rows, self.compute_dtype)
-        return rows * ops.cast(in_shard, rows.dtype)[..., None]
+        return lookup_in_row_shard(
+            self.embedding_shards[index], ids, index * rows_per_shard, self.compute_dtype
+        )
 
     def call(self, inputs):
         ids = ops.cast(inputs, "int32")

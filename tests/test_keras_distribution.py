@@ -1,0 +1,213 @@
+"""keras.distribution on TensorFlow: KerasHub models sharded by their own layout maps train
+to the weights of the unsharded model, with each sharded weight's bytes split over devices."""
+
+import warnings
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+
+import tfmulti  # noqa: F401  (hooks keras.distribution into the TensorFlow backend)
+from tfmulti.parallel import (
+    LayoutNotHonouredWarning,
+    shard,
+    unsplit_weights,
+    variable_bytes_per_device,
+)
+from tfmulti.parallel.layer_sharding import sharded_views
+
+VOCABULARY = 64
+SEQUENCE = 8
+BATCH = 4
+STEPS = 3
+
+
+def llama(seed=1):
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=VOCABULARY,
+        num_layers=2,
+        num_query_heads=4,
+        num_key_value_heads=4,
+        hidden_dim=16,
+        intermediate_dim=32,
+    )
+    return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+
+
+def gemma(seed=1):
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=VOCABULARY,
+        num_layers=2,
+        num_query_heads=4,
+        num_key_value_heads=4,
+        hidden_dim=16,
+        intermediate_dim=32,
+        head_dim=4,
+    )
+    return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+
+
+def token_batches():
+    rng = np.random.default_rng(0)
+    shape = (BATCH * STEPS, SEQUENCE)
+    inputs = {
+        "token_ids": rng.integers(0, VOCABULARY, shape).astype("int32"),
+        "padding_mask": np.ones(shape, "int32"),
+    }
+    return inputs, rng.integers(0, VOCABULARY, shape).astype("int32")
+
+
+def compile_and_fit(model, optimizer_name):
+    optimizer = {"sgd": keras.optimizers.SGD(0.5), "adam": keras.optimizers.Adam(0.01)}
+    model.compile(
+        optimizer=optimizer[optimizer_name],
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    inputs, targets = token_batches()
+    return model.fit(inputs, targets, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+
+
+def model_mesh(num_devices):
+    devices = keras.distribution.list_devices("cpu")[:num_devices]
+    return keras.distribution.DeviceMesh((1, num_devices), ("batch", "model"), devices)
+
+
+def assert_same_weights(reference, sharded_model, tolerance):
+    expected = reference.get_weights()
+    received = unsplit_weights(sharded_model)
+    assert len(received) == len(expected)
+    for want, got in zip(expected, received, strict=True):
+        np.testing.assert_allclose(got, want, atol=tolerance, rtol=tolerance)
+
+
+def assert_each_shard_holds_its_share(model, num_devices):
+    views = sharded_views(model)
+    assert views, "the layout map sharded nothing"
+    for view in views:
+        whole_bytes = int(np.prod(view.shape)) * 4
+        devices = [shard.value.device for shard in view.shards]
+        assert len(set(devices)) == num_devices, view.path
+        for shard_variable in view.shards:
+            assert int(np.prod(shard_variable.shape)) * 4 == whole_bytes // num_devices
+
+
+@pytest.mark.parametrize(
+    "build, backbone_class, num_devices, optimizer_name",
+    [
+        (llama, keras_hub.models.LlamaBackbone, 2, "sgd"),
+        (llama, keras_hub.models.LlamaBackbone, 4, "adam"),
+        (gemma, keras_hub.models.GemmaBackbone, 4, "sgd"),
+    ],
+    ids=["llama-2-sgd", "llama-4-adam", "gemma-4-sgd"],
+)
+def test_model_parallel_with_keras_hub_layout_trains_to_unsharded_weights(
+    build, backbone_class, num_devices, optimizer_name
+):
+    reference = build()
+    reference_history = compile_and_fit(reference, optimizer_name)
+    layout_map = backbone_class.get_layout_map(model_mesh(num_devices))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LayoutNotHonouredWarning)
+        with keras.distribution.ModelParallel(layout_map=layout_map).scope():
+            model = build()
+    assert_each_shard_holds_its_share(model, num_devices)
+    history = compile_and_fit(model, optimizer_name)
+    np.testing.assert_allclose(history.history["loss"], reference_history.history["loss"], 1e-5)
+    assert_same_weights(reference, model, 1e-4)
+
+
+def test_variable_bytes_per_device_falls_by_the_layout_share():
+    whole = llama()
+    layout_map = keras_hub.models.LlamaBackbone.get_layout_map(model_mesh(4))
+    with keras.distribution.ModelParallel(layout_map=layout_map).scope():
+        model = llama()
+    sharded_bytes = sum(int(np.prod(view.shape)) * 4 for view in sharded_views(model))
+    whole_bytes = sum(int(np.prod(variable.shape)) * 4 for variable in whole.weights)
+    replicated_bytes = whole_bytes - sharded_bytes
+    per_device = variable_bytes_per_device(model)
+    assert per_device == {
+        "/device:CPU:0": replicated_bytes + sharded_bytes // 4,
+        "/device:CPU:1": sharded_bytes // 4,
+        "/device:CPU:2": sharded_bytes // 4,
+        "/device:CPU:3": sharded_bytes // 4,
+    }
+    assert variable_bytes_per_device(whole) == {"/device:CPU:0": whole_bytes}
+    compile_and_fit(model, "adam")
+    optimizer_bytes = variable_bytes_per_device(model, part="optimizer")
+    # Adam keeps two slots per weight, beside the weight's shard.
+    for device in ("/device:CPU:1", "/device:CPU:2", "/device:CPU:3"):
+        assert optimizer_bytes[device] == 2 * per_device[device]
+    total = variable_bytes_per_device(model, part="all")
+    assert total == {device: per_device[device] + optimizer_bytes[device] for device in per_device}
+
+
+def test_shard_on_a_model_with_loaded_weights_predicts_and_trains_as_unsharded(tmp_path):
+    trained = llama(seed=7)
+    compile_and_fit(trained, "sgd")
+    weights_file = str(tmp_path / "llama.weights.h5")
+    trained.save_weights(weights_file)
+    reference, model = llama(), llama()
+    reference.load_weights(weights_file)
+    model.load_weights(weights_file)
+    inputs, _ = token_batches()
+    before = model.predict(inputs, verbose=0)
+
+    shard(model, keras_hub.models.LlamaBackbone.get_layout_map(model_mesh(2)))
+
+    assert_each_shard_holds_its_share(model, 2)
+    np.testing.assert_allclose(model.predict(inputs, verbose=0), before, atol=1e-5)
+    compile_and_fit(reference, "adam")
+    compile_and_fit(model, "adam")
+    assert_same_weights(reference, model, 1e-4)
+
+
+def dense_then_conv(seed=2):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6, 4))
+    hidden = keras.layers.Dense(8, activation="relu", name="dense")(inputs)
+    outputs = keras.layers.Conv1D(4, 3, name="conv")(hidden)
+    return keras.Model(inputs, outputs)
+
+
+def test_layout_for_a_layer_kind_not_sharded_warns_once_naming_it_and_trains_correctly():
+    rng = np.random.default_rng(1)
+    inputs = rng.normal(size=(8, 6, 4)).astype("float32")
+    targets = rng.normal(size=(8, 4, 4)).astype("float32")
+    reference = dense_then_conv()
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    reference.fit(inputs, targets, batch_size=4, shuffle=False, verbose=0)
+    layout_map = keras.distribution.LayoutMap(model_mesh(2))
+    layout_map["dense/kernel"] = (None, "model")
+    layout_map["conv/kernel"] = (None, None, "model")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with keras.distribution.ModelParallel(layout_map=layout_map).scope():
+            model = dense_then_conv()
+    messages = [str(w.message) for w in caught if w.category is LayoutNotHonouredWarning]
+    assert len(messages) == 1, messages
+    assert "'conv/kernel'" in messages[0] and "Conv1D" in messages[0]
+    assert [view.path for view in sharded_views(model)] == ["dense/kernel"]
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(inputs, targets, batch_size=4, shuffle=False, verbose=0)
+    assert_same_weights(reference, model, 1e-5)
+
+
+def test_data_parallel_scope_replicates_and_trains_to_one_device_weights():
+    rng = np.random.default_rng(2)
+    inputs = rng.normal(size=(16, 6, 4)).astype("float32")
+    targets = rng.normal(size=(16, 4, 4)).astype("float32")
+    reference = dense_then_conv()
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    reference.fit(inputs, targets, batch_size=8, shuffle=False, verbose=0)
+    distribution = keras.distribution.DataParallel(
+        devices=keras.distribution.list_devices("cpu")[:2]
+    )
+    with distribution.scope():
+        model = dense_then_conv()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        assert model.distribute_strategy.num_replicas_in_sync == 2
+        model.fit(inputs, targets, batch_size=8, shuffle=False, verbose=0)
+    assert_same_weights(reference, model, 1e-5)

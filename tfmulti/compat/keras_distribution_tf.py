@@ -1,0 +1,167 @@
+"""Where tfmulti hooks `keras.distribution` into Keras 3's TensorFlow backend.
+
+Keras' TensorFlow backend leaves `keras.distribution` a stub: a model built under
+`ModelParallel(...).scope()` keeps every weight whole on one device, and `DataParallel`
+changes nothing. The JAX backend lays each variable out when it is created
+(`Variable._initialize_layout`). Here the same happens one step later, after each layer's
+`build`: `tfmulti.parallel.keras_distribution` splits the variables its layout names.
+`DataParallel.scope()` also enters a `tf.distribute.MirroredStrategy` over the mesh's
+devices, which Keras' TensorFlow trainer already knows how to train with.
+
+Every touch of Keras internals lives in this module; the patches apply to the Keras
+versions checked by tests/test_compat_keras_distribution.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+
+import keras
+import tensorflow as tf
+from keras.src.backend.tensorflow import distribution_lib as tensorflow_distribution_lib
+from keras.src.backend.tensorflow.optimizer import TFOptimizer
+from keras.src.distribution import distribution_lib
+from keras.src.layers.layer import Layer
+
+from tfmulti.compat.keras_multi_worker import Fix, keras_version
+
+# Checked on Keras 3.15.1 (tests/test_compat_keras_distribution.py); raise after checking.
+FIRST_CHECKED_KERAS = (3, 10)
+FIRST_UNCHECKED_KERAS = (3, 16)
+
+
+def _shard_after_build(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _post_build(self):
+        original(self)
+        if distribution_lib.distribution() is None:
+            return
+        # Imported here: this module loads while Keras itself is still being imported.
+        from tfmulti.parallel import keras_distribution
+
+        keras_distribution.shard_under_current_distribution(self)
+
+    return _post_build
+
+
+def _data_parallel_on_mirrored_strategy(original: Callable) -> Callable:
+    @functools.wraps(original)
+    @contextlib.contextmanager
+    def scope(self):
+        from tfmulti.parallel import keras_distribution
+
+        strategy = keras_distribution.strategy_for_data_parallel(self)
+        with original(self), strategy.scope() if strategy else contextlib.nullcontext():
+            yield
+
+    return scope
+
+
+# Marks a variable whose optimizer state must live on the variable's own device.
+_STATE_BESIDE = "_tfmulti_optimizer_state_beside"
+
+
+def keep_optimizer_state_beside(variable) -> None:
+    """Makes optimizers create `variable`'s slots (momentum, ...) on its device."""
+    setattr(variable, _STATE_BESIDE, True)
+
+
+def _slots_on_variable_device(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def add_variable_from_reference(self, reference_variable, *args, **kwargs):
+        storage = getattr(reference_variable, "_value", None)
+        if not getattr(reference_variable, _STATE_BESIDE, False) or tf.distribute.has_strategy():
+            return original(self, reference_variable, *args, **kwargs)
+        # Optimizers build inside the first traced step; the variable is then lifted out of
+        # the graph, and the colocation upstream asks for is lost with it.
+        with tf.device(storage.device):
+            return original(self, reference_variable, *args, **kwargs)
+
+    return add_variable_from_reference
+
+
+def _keep_tensor_layout(tensor, layout):
+    """Layouts of intermediate tensors are hints tfmulti does not act on: the tensor as is."""
+    del layout
+    return tensor
+
+
+PATCHES = (
+    Fix(
+        name="shard_layers_after_build",
+        owner=Layer,
+        attribute="_post_build",
+        make_replacement=_shard_after_build,
+        first_broken=FIRST_CHECKED_KERAS,
+        first_unchecked=FIRST_UNCHECKED_KERAS,
+    ),
+    Fix(
+        name="data_parallel_on_mirrored_strategy",
+        owner=distribution_lib.DataParallel,
+        attribute="scope",
+        make_replacement=_data_parallel_on_mirrored_strategy,
+        first_broken=FIRST_CHECKED_KERAS,
+        first_unchecked=FIRST_UNCHECKED_KERAS,
+    ),
+    Fix(
+        name="optimizer_state_beside_shards",
+        owner=TFOptimizer,
+        attribute="add_variable_from_reference",
+        make_replacement=_slots_on_variable_device,
+        first_broken=FIRST_CHECKED_KERAS,
+        first_unchecked=FIRST_UNCHECKED_KERAS,
+    ),
+)
+
+_ORIGINALS: dict[str, Callable] = {}
+
+
+def apply_patches() -> list[str]:
+    """Applies the patches the installed Keras takes (idempotent); returns their names."""
+    if keras.backend.backend() != "tensorflow":
+        return []
+    version = keras_version()
+    for patch in PATCHES:
+        if patch.name in _ORIGINALS or not patch.applies_to(version):
+            continue
+        original = getattr(patch.owner, patch.attribute)
+        _ORIGINALS[patch.name] = original
+        setattr(patch.owner, patch.attribute, patch.make_replacement(original))
+    if FIRST_CHECKED_KERAS <= version < FIRST_UNCHECKED_KERAS and not hasattr(
+        tensorflow_distribution_lib, "distribute_tensor"
+    ):
+        # `Layer.__call__` relays outputs whose path the layout map names; the TensorFlow
+        # backend lacks the function, so such a layout map would fail in every call.
+        tensorflow_distribution_lib.distribute_tensor = _keep_tensor_layout
+    return active_patch_names()
+
+
+def active_patch_names() -> list[str]:
+    """Names of the patches currently applied."""
+    return [patch.name for patch in PATCHES if patch.name in _ORIGINALS]
+
+
+def own_variables(layer: keras.layers.Layer) -> list:
+    """The variables `layer` created itself (not those of its sublayers), in weight order."""
+    return list(layer._trainable_variables) + list(layer._non_trainable_variables)
+
+
+def replace_own_variable(layer: keras.layers.Layer, variable, replacements: Sequence) -> None:
+    """Puts `replacements` where `layer` tracked its own `variable`, keeping the weight order."""
+    tracker = layer._tracker
+    store_name = "trainable_variables" if variable.trainable else "non_trainable_variables"
+    store = tracker.config[store_name][1]
+    index = next(position for position, held in enumerate(store) if held is variable)
+    was_locked = tracker.locked
+    tracker.unlock()
+    try:
+        tracker.untrack(variable)
+        for offset, replacement in enumerate(replacements):
+            # The plain list: a TrackedList's own insert would track (append) it again.
+            list.insert(store, index + offset, replacement)
+            tracker.stored_ids[store_name].add(id(replacement))
+    finally:
+        if was_locked:
+            tracker.lock()

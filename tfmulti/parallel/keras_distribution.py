@@ -1,0 +1,104 @@
+"""`keras.distribution` on TensorFlow: layers sharded as a `ModelParallel` layout says.
+
+Under `keras.distribution.ModelParallel(...).scope()` (or `set_distribution`), each layer
+built is split by `layer_sharding.shard_layer` right after its `build` (the hook lives in
+`tfmulti.compat.keras_distribution_tf`); `shard` does the same for a model built
+earlier. `DataParallel` runs on a `tf.distribute.MirroredStrategy` over the mesh's devices.
+
+Example:
+    >>> mesh = keras.distribution.DeviceMesh((1, 4), ("batch", "model"), devices)
+    >>> layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+    >>> with keras.distribution.ModelParallel(layout_map=layout_map).scope():
+    ...     model = keras_hub.models.LlamaCausalLM(backbone=...)
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmulti.parallel.layer_sharding import shard_layer
+from tfmulti.parallel.mesh_layout import check_single_model_axis, mesh_device_names
+from tfmulti.strategy import cross_device_ops
+
+_STRATEGIES: dict[int, tuple] = {}
+
+
+def shard_under_current_distribution(layer: keras.layers.Layer) -> bool:
+    """Splits a just-built `layer`'s weights as the current `ModelParallel` says.
+
+    Returns whether any weight was split; False outside a `ModelParallel` distribution.
+    """
+    distribution = keras.distribution.distribution()
+    if not isinstance(distribution, keras.distribution.ModelParallel):
+        return False
+    device_mesh = distribution.device_mesh
+    check_single_model_axis(device_mesh, distribution.batch_dim_name)
+    return shard_layer(layer, distribution.get_variable_layout, device_mesh)
+
+
+def shard(
+    model: keras.Model, layout_map: keras.distribution.LayoutMap, batch_dim_name: str = "batch"
+) -> keras.Model:
+    """Moves a built model's weights into shards on devices as `layout_map` says.
+
+    The values are kept (loaded weights stay loaded); weights the map does not name, and
+    layers other than Dense, EinsumDense, Embedding and ReversibleEmbedding, stay whole on
+    the mesh's first device (the latter with a `LayoutNotHonouredWarning`). Call it before
+    training: an optimizer that already holds state for the whole weights is refused.
+
+    Args:
+        model: a built Keras model.
+        layout_map: a `keras.distribution.LayoutMap` (its `device_mesh` names the devices).
+        batch_dim_name: the mesh axis of the batch; it must have size 1.
+
+    Returns:
+        `model`, sharded in place.
+
+    Example:
+        >>> model.load_weights("llama.weights.h5")
+        >>> shard(model, LlamaBackbone.get_layout_map(mesh))
+    """
+    if not model.built:
+        raise ValueError(
+            f"shard() needs a built model (call it on data or build it first). Received: "
+            f"model {model.name!r} with built=False"
+        )
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and optimizer.built:
+        raise ValueError(
+            f"shard() must run before training: the optimizer of model {model.name!r} already "
+            "holds state for the whole weights. Shard first, then compile and fit."
+        )
+    device_mesh = layout_map.device_mesh
+    check_single_model_axis(device_mesh, batch_dim_name)
+
+    def layout_of(variable):
+        return layout_map[variable.path]
+
+    sharded = False
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        sharded = shard_layer(layer, layout_of, device_mesh) or sharded
+    if sharded:
+        # Traced steps read the whole weights; retrace, and without XLA (one device only).
+        model.train_function = model.test_function = model.predict_function = None
+        if model.compiled:
+            model.jit_compile = False
+    return model
+
+
+def strategy_for_data_parallel(distribution) -> tf.distribute.Strategy | None:
+    """The `MirroredStrategy` over a `DataParallel` distribution's devices (None for one)."""
+    devices = tuple(np.ravel(mesh_device_names(distribution.device_mesh)))
+    if len(devices) < 2:
+        return None
+    key = id(distribution)
+    if key not in _STRATEGIES or _STRATEGIES[key][0] is not distribution:
+        device_type = tf.DeviceSpec.from_string(devices[0]).device_type
+        strategy = tf.distribute.MirroredStrategy(
+            devices=list(devices), cross_device_ops=cross_device_ops("auto", device_type)
+        )
+        # The distribution is kept with its strategy, so its id is never reused meanwhile.
+        _STRATEGIES[key] = (distribution, strategy)
+    return _STRATEGIES[key][1]

@@ -1,0 +1,273 @@
+"""Splitting a built Keras `Dense`, `EinsumDense` or `Embedding` layer's weights as layouts say.
+
+`shard_layer` replaces each weight whose layout splits it by shards on the layout's devices
+(`sharded_variable.split_variable`) and gives the layer a call that computes with them
+(`sharded_einsum`, and the vocabulary-split lookup of `VocabParallelEmbedding`). Any other
+layer, and any layout that cannot be followed, keeps its weights whole, with one
+`LayoutNotHonouredWarning` naming the variable.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+
+import keras
+from keras import ops
+
+from tfmulti.compat.keras_distribution_tf import own_variables
+from tfmulti.parallel.collectives import fan_out, gather, reduce_partial_sums
+from tfmulti.parallel.device_compute import run_on_device
+from tfmulti.parallel.mesh_layout import (
+    LayoutNotHonouredWarning,
+    ShardPlan,
+    UnsupportedLayout,
+    plan_for_layout,
+)
+from tfmulti.parallel.sharded_einsum import CONTRACTED, analyse_split, split_einsum
+from tfmulti.parallel.sharded_variable import ShardedVariable, split_variable
+from tfmulti.parallel.vocab_embedding import lookup_in_row_shard
+
+SHARDED_LAYER_KINDS = "Dense, EinsumDense, Embedding and ReversibleEmbedding"
+DENSE_EQUATION = "...i,io->...o"
+_ELEMENTWISE_ACTIVATIONS = (
+    "linear elu exponential gelu hard_sigmoid hard_silu leaky_relu mish relu relu6 selu "
+    "sigmoid silu softplus softsign tanh"
+).split()
+
+
+def warn_not_honoured(variable, reason: str) -> None:
+    """Warns (once per call) that `variable` stays whole, and why."""
+    warnings.warn(
+        f"tfmulti keeps variable '{variable.path}' whole, not sharded as its layout asks: "
+        f"{reason}.",
+        LayoutNotHonouredWarning,
+        stacklevel=3,
+    )
+
+
+def _is_elementwise(activation) -> bool:
+    if activation is None:
+        return True
+    return any(activation is keras.activations.get(name) for name in _ELEMENTWISE_ACTIVATIONS)
+
+
+def _activate(activation, outputs):
+    return outputs if activation is None else activation(outputs)
+
+
+def _install(layer, call: Callable, views: list[ShardedVariable]) -> None:
+    # Instance attributes, outside Keras's tracking: the layer's class and config stay the
+    # same, so the model saves and reloads as the unsharded one.
+    object.__setattr__(layer, "call", call)
+    object.__setattr__(layer, "sharded_weights", views)
+    # Each shard runs on its device; XLA would compile the whole step for one device.
+    object.__setattr__(layer, "supports_jit", False)
+
+
+def _output_axis_from_end(equation: str, axis: int | None) -> int | None:
+    output_spec = equation.replace(" ", "").split("->")[1]
+    if axis is None or axis < 0:
+        return axis
+    return None if "..." in output_spec else axis - len(output_spec)
+
+
+def _bias_follows(bias, bias_plan: ShardPlan, kernel_plan: ShardPlan, equation, split) -> bool:
+    """Whether the bias is split along the same output axis, over the same devices."""
+    if split.kind == CONTRACTED or bias_plan.devices != kernel_plan.devices:
+        return False
+    return bias_plan.axis - len(bias.shape) == _output_axis_from_end(equation, split.output_axis)
+
+
+def _shard_dense(layer, plans: dict) -> bool:
+    """Splits a Dense/EinsumDense kernel (and a bias split alongside it)."""
+    equation = getattr(layer, "equation", DENSE_EQUATION)
+    kernel, bias = layer._kernel, layer.bias
+    kernel_plan = plans.pop(id(kernel), None)
+    bias_plan = plans.pop(id(bias), None) if bias is not None else None
+    if kernel_plan is None:
+        if bias_plan is not None:
+            warn_not_honoured(bias, "a bias is split only with its kernel")
+        return False
+    try:
+        split = analyse_split(equation, kernel_plan.axis)
+    except UnsupportedLayout as error:
+        warn_not_honoured(kernel, str(error))
+        return False
+    if bias_plan is not None and not _bias_follows(bias, bias_plan, kernel_plan, equation, split):
+        warn_not_honoured(bias, "a bias is split only along its kernel's split output axis")
+        bias_plan = None
+    kernel_view = split_variable(layer, kernel, kernel_plan)
+    layer._kernel = kernel_view
+    views = [kernel_view]
+    if bias_plan is not None:
+        layer.bias = split_variable(layer, bias, bias_plan)
+        views.append(layer.bias)
+    # Bias and activation run on each output slice when both can (so a row-split layer can
+    # take the slices), else on the whole output.
+    per_shard = _is_elementwise(layer.activation) and (bias is None or bias_plan is not None)
+
+    def shard_finish(index, outputs):
+        if bias_plan is not None:
+            outputs = outputs + layer.bias.shards[index]
+        return _activate(layer.activation, outputs)
+
+    def finish(outputs):
+        if layer.bias is not None:
+            outputs = ops.add(outputs, layer.bias)
+        return _activate(layer.activation, outputs)
+
+    def call(inputs, training=None):
+        del training
+        if per_shard and split.kind != CONTRACTED:
+            return split_einsum(
+                equation, inputs, kernel_view.shards, kernel_plan.devices, split, shard_finish
+            )
+        return split_einsum(
+            equation, inputs, kernel_view.shards, kernel_plan.devices, split, finish=finish
+        )
+
+    _install(layer, call, views)
+    return True
+
+
+def _lookup(layer, table, plan: ShardPlan | None, ids):
+    """The embedding rows of `ids`, from a whole table or its shards."""
+    if plan is None:
+        return ops.cast(ops.take(table, ids, axis=0), layer.compute_dtype)
+    devices = plan.devices
+    rows_per_shard = table.shape[0] // plan.num_shards
+
+    def lookup(index, shard_ids):
+        if plan.axis == 0:
+            first_row = index * rows_per_shard
+            return lookup_in_row_shard(
+                table.shards[index], shard_ids, first_row, layer.compute_dtype
+            )
+        return ops.cast(ops.take(table.shards[index], shard_ids, axis=0), layer.compute_dtype)
+
+    pieces = [
+        run_on_device(device, functools.partial(lookup, index), handle)
+        for index, (device, handle) in enumerate(zip(devices, fan_out(ids, devices), strict=True))
+    ]
+    if plan.axis == 0:
+        return reduce_partial_sums(pieces, devices)
+    return gather(pieces, devices, -1)
+
+
+def _project(weight, plan: ShardPlan | None, equation: str, inputs):
+    """`einsum(equation, inputs, weight)` from a whole weight or its shards."""
+    if plan is None:
+        return ops.einsum(equation, inputs, weight)
+    split = analyse_split(equation, plan.axis)
+    return split_einsum(equation, inputs, weight.shards, plan.devices, split)
+
+
+def _shard_embedding(layer, plans: dict) -> bool:
+    """Splits an Embedding's table (rows or columns) and a ReversibleEmbedding's reverse weight."""
+    reversible = hasattr(layer, "tie_weights")
+    table = layer._embeddings
+    reverse = getattr(layer, "reverse_embeddings", None) if reversible else None
+    table_plan = plans.pop(id(table), None)
+    reverse_plan = plans.pop(id(reverse), None) if reverse is not None else None
+    if reversible and (layer.mask_zero or layer.reverse_dtype is not None):
+        for variable, plan in ((table, table_plan), (reverse, reverse_plan)):
+            if plan is not None:
+                warn_not_honoured(variable, "mask_zero and reverse_dtype are not sharded")
+        return False
+    if table_plan is None and reverse_plan is None:
+        return False
+    views = []
+    if table_plan is not None:
+        layer._embeddings = table = split_variable(layer, table, table_plan)
+        views.append(table)
+    if reverse_plan is not None:
+        layer.reverse_embeddings = reverse = split_variable(layer, reverse, reverse_plan)
+        views.append(reverse)
+
+    def call(inputs, reverse_projection=False):
+        if not reverse_projection:
+            ids = inputs
+            if keras.backend.standardize_dtype(ids.dtype) not in ("int32", "int64"):
+                ids = ops.cast(ids, "int32")
+            return _lookup(layer, table, table_plan, ids)
+        if layer.tie_weights:
+            logits = _project(table, table_plan, "...d,vd->...v", inputs)
+        else:
+            logits = _project(reverse, reverse_plan, "...d,dv->...v", inputs)
+        if layer.logit_soft_cap is not None:
+            cap = layer.logit_soft_cap
+            logits = ops.multiply(ops.tanh(ops.divide(logits, cap)), cap)
+        return logits
+
+    if reversible:
+        _install(layer, lambda inputs, reverse=False: call(inputs, reverse), views)
+    else:
+        _install(layer, lambda inputs: call(inputs), views)
+    return True
+
+
+def _sharder_for(layer) -> Callable | None:
+    if getattr(layer, "quantization_mode", None) is not None or getattr(
+        layer, "lora_enabled", False
+    ):
+        return None
+    if isinstance(layer, keras.layers.Dense | keras.layers.EinsumDense):
+        return _shard_dense
+    if isinstance(layer, keras.layers.Embedding):
+        return _shard_embedding
+    return None
+
+
+def shard_layer(layer: keras.layers.Layer, layout_of: Callable, device_mesh) -> bool:
+    """Splits `layer`'s own weights as `layout_of(variable)` says; returns whether any was split.
+
+    Args:
+        layer: a built layer; its sublayers are not visited.
+        layout_of: returns a variable's `keras.distribution.TensorLayout` (or axis tuple,
+            or None for whole).
+        device_mesh: the `keras.distribution.DeviceMesh` the layouts name axes of.
+
+    Weights of other layer kinds, or with a layout that cannot be followed, stay whole;
+    each gets one `LayoutNotHonouredWarning` naming it.
+    """
+    if getattr(layer, "sharded_weights", None):
+        return False
+    plans, variables = {}, {}
+    for variable in own_variables(layer):
+        try:
+            plan = plan_for_layout(layout_of(variable), variable.shape, device_mesh)
+        except UnsupportedLayout as error:
+            warn_not_honoured(variable, str(error))
+            continue
+        if plan is not None:
+            if getattr(variable, "regularizer", None) or getattr(variable, "constraint", None):
+                warn_not_honoured(variable, "a regularizer or constraint needs the whole weight")
+                continue
+            plans[id(variable)], variables[id(variable)] = plan, variable
+    if not plans:
+        return False
+    sharder = _sharder_for(layer)
+    if sharder is None:
+        for variable in variables.values():
+            warn_not_honoured(
+                variable,
+                f"tfmulti shards {SHARDED_LAYER_KINDS} layers (not quantized or LoRA); "
+                f"{type(layer).__name__} '{layer.name}' runs whole on one device",
+            )
+        return False
+    sharded = sharder(layer, plans)
+    for variable_id in plans:
+        warn_not_honoured(variables[variable_id], f"{type(layer).__name__} does not split it")
+    return sharded
+
+
+def sharded_views(model: keras.layers.Layer) -> list[ShardedVariable]:
+    """The weights of `model` (or any layer) split by `shard_layer`, in layer order."""
+    return [
+        view
+        for layer in model._flatten_layers(include_self=True, recursive=True)
+        for view in getattr(layer, "sharded_weights", ())
+        if isinstance(view, ShardedVariable)
+    ]

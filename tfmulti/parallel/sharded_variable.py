@@ -1,0 +1,97 @@
+"""A whole Keras variable replaced by shards on devices, and the view left in its place."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmulti.compat import keras_distribution_tf
+from tfmulti.parallel.mesh_layout import ShardPlan
+from tfmulti.parallel.sharded_layer import ShardedWeight
+
+
+@dataclasses.dataclass
+class ShardedVariable(ShardedWeight):
+    """Stands where a layer kept a whole variable that now lives as shards on devices.
+
+    Reading it (`numpy()`, `np.asarray`, `value`) joins the shards; `assign` splits a
+    whole value into them, so a layer's own weight saving and loading keeps the unsplit
+    layout. Training reads and updates the shards, which are the layer's variables.
+    """
+
+    path: str = ""
+    devices: tuple[str, ...] = ()
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = list(self.shards[0].shape)
+        shape[self.axis] *= len(self.shards)
+        return tuple(shape)
+
+    @property
+    def dtype(self):
+        return self.shards[0].dtype
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+    @property
+    def value(self):
+        """The whole value, joined on the first shard's device."""
+        with tf.device(self.devices[0]):
+            return keras.ops.concatenate([shard.value for shard in self.shards], self.axis)
+
+    def numpy(self) -> np.ndarray:
+        return self.unsplit_value()
+
+    def __array__(self, dtype=None, copy=None):
+        value = self.unsplit_value()
+        return value if dtype is None else value.astype(dtype)
+
+    def assign(self, value) -> None:
+        """Splits a whole value into the shards."""
+        self.assign_unsplit(keras.ops.convert_to_numpy(value))
+
+
+def _variable_path_scope(path: str):
+    """Makes variables created inside get paths under `path`, whatever scopes are open.
+
+    Sharding runs after a layer's build, maybe inside its parent's build: the parent's name
+    scope is open then, so the path is set absolutely (Keras' `override_parent`).
+    """
+    if not path:
+        return contextlib.nullcontext()
+    grandparent, _, parent = path.rpartition("/")
+    return keras.name_scope(parent, override_parent=grandparent)
+
+
+def split_variable(layer: keras.layers.Layer, variable, plan: ShardPlan) -> ShardedVariable:
+    """Replaces `layer`'s own `variable` with shards per `plan`, in the same place of its weights.
+
+    The shards are new variables named `<name>_shard_<k>` (paths `<path>_shard_<k>`), each
+    created on its device; the whole variable is dropped from the layer, so its memory is
+    freed once nothing else holds it. Returns the view to keep where the layer held it.
+    """
+    with tf.init_scope():
+        pieces = np.split(keras.ops.convert_to_numpy(variable.value), plan.num_shards, plan.axis)
+        parent = variable.path.rpartition("/")[0]
+        shards = []
+        with _variable_path_scope(parent):
+            for index, (device, piece) in enumerate(zip(plan.devices, pieces, strict=True)):
+                with tf.device(device):
+                    shards.append(
+                        keras.Variable(
+                            piece,
+                            dtype=variable.dtype,
+                            trainable=variable.trainable,
+                            name=f"{variable.name}_shard_{index}",
+                        )
+                    )
+                    keras_distribution_tf.keep_optimizer_state_beside(shards[-1])
+    keras_distribution_tf.replace_own_variable(layer, variable, shards)
+    return ShardedVariable(shards, plan.axis, path=variable.path, devices=plan.devices)
