@@ -92,3 +92,21 @@ def launch_training(*train_args: str, num_workers: int = 2, devices_per_worker: 
     )
     output, _ = launcher.communicate(timeout=240)
     return launcher.returncode, output
+
+
+def assert_split_recorded(result, metrics: dict, num_stages: int) -> dict:
+    """Asserts a pipelined run logged its split once and kept it in `metrics.json`: every
+    stage with its blocks, device and parameters, which add up to the model's. Returns it."""
+    split = metrics["run"]["split"]
+    assert len(split["stages"]) == num_stages
+    assert result.stderr.count("Pipeline split:") == 1, result.stderr[-3000:]
+    for stage in split["stages"]:
+        assert stage["blocks"] and stage["device"] and stage["params"] > 0
+        assert stage["device"].split("/")[-1] in result.stderr
+        assert ", ".join(stage["blocks"][:2]) in result.stderr
+    assert sum(stage["params"] for stage in split["stages"]) == metrics["run"]["parameters"]
+    assert 0 < split["predicted_bubble"] < 1
+    assert f"predicted bubble (stage cost = parameters): {split['predicted_bubble']:.1%}" in (
+        result.stderr
+    )
+    return split

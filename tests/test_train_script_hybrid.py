@@ -6,6 +6,7 @@ import os
 from script_runner import (
     TWO_EPOCHS,
     assert_same_training,
+    assert_split_recorded,
     last_line,
     launch_training,
     read_metrics,
@@ -29,6 +30,9 @@ def test_hybrid_script_on_one_host_trains_like_one_device(tmp_path, one_device_m
     metrics = read_metrics(model_dir)
     assert metrics["run"]["num_replicas"] == 2
     assert_same_training(metrics, one_device_metrics)
+    split = assert_split_recorded(result, metrics, num_stages=2)
+    assert split["data_replicas"] == 2
+    assert len({tuple(devices) for devices in split["replica_devices"]}) == 2
 
 
 def test_hybrid_script_across_two_workers_trains_like_one_device_with_chief_only_outputs(

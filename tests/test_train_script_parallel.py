@@ -18,6 +18,7 @@ from script_runner import (
     COMMON,
     TWO_EPOCHS,
     assert_same_training,
+    assert_split_recorded,
     launch,
     launch_training,
     read_metrics,
@@ -42,6 +43,8 @@ def test_pipeline_script_trains_like_one_device(tmp_path, one_device_metrics, sc
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_training(read_metrics(model_dir), one_device_metrics)
+    split = assert_split_recorded(result, read_metrics(model_dir), num_stages=2)
+    assert split["schedule"] == schedule
     timeline = f"{model_dir}/logs/pipeline_timeline"
     assert os.path.getsize(f"{timeline}/step3.png") > 0
     with open(f"{timeline}/step3.trace.json") as handle:

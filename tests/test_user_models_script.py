@@ -12,7 +12,14 @@ import textwrap
 import numpy as np
 import pytest
 import tensorflow as tf
-from script_runner import assert_same_training, last_line, launch_training, read_metrics, run_script
+from script_runner import (
+    assert_same_training,
+    assert_split_recorded,
+    last_line,
+    launch_training,
+    read_metrics,
+    run_script,
+)
 
 USER_MODULE = textwrap.dedent(
     """
@@ -118,6 +125,9 @@ def test_user_model_trains_like_one_device(
     result = run_script("train.py", *MLP, *strategy_flags, f"--model_dir={model_dir}", env=user_env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_training(read_metrics(model_dir), one_device_user_metrics)
+    if "--partition=layers:hidden_2" in strategy_flags:
+        split = assert_split_recorded(result, read_metrics(model_dir), num_stages=2)
+        assert split["stages"][1]["blocks"][0] == "hidden_2"
 
 
 def test_user_model_across_two_launched_workers_trains_like_one_device(

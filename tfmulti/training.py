@@ -29,6 +29,7 @@ from tfmulti.names import HYBRID_STRATEGY_NAME, RESTART_COUNT_VARIABLE
 from tfmulti.preemption import SaveOnPreemption
 from tfmulti.profiling import ProfileSteps
 from tfmulti.run_record import METRICS_FILE, RecordEpochs, RunRecord
+from tfmulti.split_summary import split_summary
 from tfmulti.step_checkpoint import (
     ResumePoint,
     ResumeRun,
@@ -210,6 +211,11 @@ def train(config: TrainConfig) -> dict:
         "per_replica_batch_size": per_replica,
         "parameters": (model.replicas[0] if hybrid else model).count_params(),
     }
+    split = split_summary(model)
+    if split is not None:
+        run["split"] = split.to_dict()
+        if cluster is None or cluster.is_chief:
+            logging.info("%s", split)
     record = RunRecord(
         output_dir, run, resume_from_epoch=resume_point.epoch if resume_point else None
     )

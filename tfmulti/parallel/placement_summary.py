@@ -89,7 +89,7 @@ class PlacementSummary:
     def __str__(self) -> str:
         name_width = max([len("layer"), *(len(layer.name) for layer in self.layers)])
         kind_width = max([len("kind"), *(len(layer.kind) for layer in self.layers)])
-        device_width = max(len("device"), *(len(_short(d)) for d in self.devices))
+        device_width = max(len("device"), *(len(short_device_name(d)) for d in self.devices))
         lines = [
             f"Placement by {self.policy} over {len(self.devices)} devices",
             f"{'layer':<{name_width}}  {'kind':<{kind_width}}  {'device':<{device_width}}  "
@@ -98,7 +98,7 @@ class PlacementSummary:
         for layer in self.layers:
             lines.append(
                 f"{layer.name:<{name_width}}  {layer.kind:<{kind_width}}  "
-                f"{_short(layer.device):<{device_width}}  {layer.params:>10}  "
+                f"{short_device_name(layer.device):<{device_width}}  {layer.params:>10}  "
                 f"{_milliseconds(layer.time):>9}  {_kibibytes(layer.memory):>10}"
             )
         lines.append(
@@ -107,8 +107,8 @@ class PlacementSummary:
         )
         for load in self.device_loads():
             lines.append(
-                f"{_short(load.device):<{device_width}}  {load.num_layers:>6}  {load.params:>10}  "
-                f"{_milliseconds(load.time):>9}  {_kibibytes(load.memory):>10}"
+                f"{short_device_name(load.device):<{device_width}}  {load.num_layers:>6}  "
+                f"{load.params:>10}  {_milliseconds(load.time):>9}  {_kibibytes(load.memory):>10}"
             )
         crossings = ", ".join(f"{a} -> {b}" for a, b in self.cross_device_edges) or "none"
         lines.append(f"cross-device edges ({len(self.cross_device_edges)}): {crossings}")
@@ -119,7 +119,8 @@ def _total(values):
     return None if any(value is None for value in values) else float(sum(values))
 
 
-def _short(device):
+def short_device_name(device: str) -> str:
+    """`/job:worker/replica:0/task:0/device:CPU:1` as `/device:CPU:1`."""
     spec = tf.DeviceSpec.from_string(device)
     return f"/device:{spec.device_type}:{spec.device_index}"
 
