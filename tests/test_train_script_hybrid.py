@@ -47,9 +47,13 @@ def test_hybrid_script_across_two_workers_trains_like_one_device_with_chief_only
         "--microbatches=2",
         "--schedule=zb_h1",
         "--collective_timeout=120",
+        "--verbose_workers",
         f"--model_dir={model_dir}",
     )
     assert returncode == 0, output[-3000:]
+    # --verbose_workers: every worker prints its progress lines (2 epochs each).
+    progress = [line for line in output.splitlines() if " - loss: " in line]
+    assert sorted(line.split("]")[0] for line in progress) == 2 * ["[worker 0"] + 2 * ["[worker 1"]
     assert_same_training(read_metrics(model_dir), one_device_metrics)
     assert sorted(os.listdir(model_dir)) == ["backup", "checkpoints", "logs", "metrics.json"]
 

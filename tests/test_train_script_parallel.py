@@ -173,6 +173,11 @@ def test_multi_worker_script_trains_like_one_device_with_chief_only_outputs(
     # TensorFlow's profiler corrupts non-chief heaps (tfmulti/compat/tf_profiler.py).
     assert [os.path.basename(t) for t in traces] == ["worker0.xplane.pb"]
     assert "[worker 1]" in output and "records no profile" in output
+    # Only the chief prints Keras's progress lines and the final paths.
+    progress = [line for line in output.splitlines() if " - loss: " in line]
+    assert len(progress) == 2 and all(line.startswith("[worker 0]") for line in progress)
+    paths = [line for line in output.splitlines() if "Metrics: " in line]
+    assert len(paths) == 1 and paths[0].startswith("[worker 0]")
 
 
 def _worker_pid(model_dir: str, rank: int) -> int | None:

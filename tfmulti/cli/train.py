@@ -11,13 +11,14 @@ import os
 
 from absl import flags, logging
 
-from tfmulti.flags.console_flags import define_console_flags
+from tfmulti.flags.console_flags import define_console_flags, define_worker_console_flags
 from tfmulti.flags.parsing import run_script
 from tfmulti.flags.training_flags import config_from_flags, define_train_flags
 
 FLAGS = flags.FLAGS
 define_train_flags()
 define_console_flags()
+define_worker_console_flags()
 
 
 def _train(argv: list[str]) -> None:
@@ -29,9 +30,15 @@ def _train(argv: list[str]) -> None:
         from tfmulti.devices import configure_logical_devices
 
         configure_logical_devices(FLAGS.virtual_devices)
+    from tfmulti.model_setup import resolve_run_cluster
     from tfmulti.training import train
+    from tfmulti.worker_console import quiet_unless_chief
 
-    record = train(config_from_flags())
+    config = config_from_flags()
+    quiet = quiet_unless_chief(resolve_run_cluster(config), FLAGS.verbose_workers)
+    record = train(config)
+    if quiet:
+        return
     final = ", ".join(f"{name}={value:.4f}" for name, value in record["final"].items())
     logging.info("Final validation: %s", final)
     print(f"TensorBoard logs: {os.path.join(FLAGS.model_dir, 'logs')}")

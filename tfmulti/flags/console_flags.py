@@ -1,4 +1,4 @@
-"""Flags of what a script prints: TensorFlow's own log lines."""
+"""Flags of what a script prints: TensorFlow's own log lines, and which workers talk."""
 
 from __future__ import annotations
 
@@ -18,4 +18,15 @@ def define_console_flags() -> None:
         "(no CUDA driver, cuInit, CPU instructions) are kept off the console, errors shown.",
         lower_bound=0,
         upper_bound=3,
+    )
+
+
+@flag_group("console")
+def define_worker_console_flags() -> None:
+    """Flags of scripts that run as one of several workers."""
+    flags.DEFINE_boolean(
+        "verbose_workers",
+        False,
+        "Every worker prints Keras's progress lines and the final paths; by default only the "
+        "chief does (the others print warnings and errors).",
     )
