@@ -37,7 +37,18 @@ STRATEGIES = {
         "--microbatches=4",
         "--schedule=1f1b",
     ),
+    "model_parallel": ("--strategy=model_parallel", "--virtual_devices=2", "--num_stages=2"),
+    "hybrid": (
+        "--strategy=hybrid",
+        "--mesh=data=2,pipe=2",
+        "--virtual_devices=4",
+        "--microbatches=2",
+        "--schedule=1f1b",
+    ),
 }
+# Each strategy is stopped once, by SIGKILL or by SIGTERM (both resume from a step checkpoint).
+KILLED = ["one_device", "mirrored", "pipeline"]
+PREEMPTED = ["pipeline", "model_parallel", "hybrid"]
 
 
 def final_weights(model_dir: str) -> list[np.ndarray]:
@@ -107,7 +118,7 @@ def uninterrupted(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+@pytest.mark.parametrize("strategy", KILLED)
 def test_run_killed_mid_epoch_resumes_at_the_exact_step_with_the_uninterrupted_weights(
     strategy, uninterrupted, tmp_path
 ):
@@ -173,7 +184,7 @@ def terminate_after_step_checkpoint(process: subprocess.Popen, model_dir: str) -
     return process.wait(timeout=240)
 
 
-@pytest.mark.parametrize("strategy", ["one_device", "pipeline"])
+@pytest.mark.parametrize("strategy", PREEMPTED)
 def test_sigterm_saves_a_checkpoint_exits_with_the_restart_code_and_resumes_exactly(
     strategy, uninterrupted, tmp_path
 ):
