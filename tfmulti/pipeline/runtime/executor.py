@@ -5,11 +5,12 @@ action's ops wait (control dependencies) for the previous action's results, as o
 stream, so the device runs the actions in the schedule's order; across devices, only data
 (activations forward, gradients backward) orders them.
 
-A backward is the stage's vector-Jacobian product: a `tf.GradientTape` recorded during the
-stage's F (or, with recomputation, during a replay of F inside the backward) is asked for
-the gradients of the stage outputs, weighted by the gradient arriving from the next stage.
-A split backward computes all gradients at I, then holds back the ops that only the weight
-gradients need (found by walking the graph) until W's turn on the device.
+Every action calls one of its stage's traced functions (`stage_functions.py`): F returns
+the stage outputs and the residuals its backward reads; B (or I then W, for a split
+backward) is the stage's vector-Jacobian product, weighted by the gradient arriving from
+the next stage. The functions are traced once per stage and input signature, so the step's
+graph grows by one call per action, not by a copy of the stage. The last stage's loss is
+computed per micro-batch outside the functions; its gradient starts that stage's backward.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tfmulti.pipeline.actions import (
     Schedule,
 )
 from tfmulti.pipeline.dependencies import run_in_order
+from tfmulti.pipeline.runtime.stage_functions import StageFunctions, _Feed, is_differentiable
 
 
 @dataclasses.dataclass
@@ -97,29 +99,12 @@ def _tensor_part(gradient) -> tf.Tensor:
     return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
 
 
-def _is_differentiable(tensor) -> bool:
-    return isinstance(tensor, tf.Tensor) and tensor.dtype.is_floating
+def _tensors(nest) -> list[tf.Tensor]:
+    return [t for t in tf.nest.flatten(nest) if isinstance(t, tf.Tensor)]
 
 
-def _ops_needed_only_by(
-    weight_grads: Sequence[tf.Tensor], input_grads: Sequence[tf.Tensor], new_ops: set
-) -> list[tf.Operation]:
-    """The ops among `new_ops` that feed `weight_grads` but none of `input_grads`, roots first."""
-
-    def ancestors(tensors):
-        seen = set()
-        pending = [t.op for t in tensors if t.op in new_ops]
-        while pending:
-            op = pending.pop()
-            if op in seen:
-                continue
-            seen.add(op)
-            pending.extend(t.op for t in op.inputs if t.op in new_ops)
-            pending.extend(c for c in op.control_inputs if c in new_ops)
-        return seen
-
-    weight_only = ancestors(map(_tensor_part, weight_grads)) - ancestors(input_grads)
-    return [op for op in weight_only if not any(t.op in weight_only for t in op.inputs)]
+def _gather(feeds: Sequence[_Feed], sources: dict[str, Sequence[tf.Tensor]]) -> list:
+    return [sources[feed.source][feed.index] for feed in feeds]
 
 
 class ScheduleExecutor:
@@ -131,6 +116,7 @@ class ScheduleExecutor:
         schedule: the schedule to run.
         remat: per stage, whether its backward replays the forward instead of keeping the
             forward's intermediate tensors.
+        jit_compile: compile each stage's functions with XLA for the stage's device.
     """
 
     def __init__(
@@ -139,6 +125,7 @@ class ScheduleExecutor:
         stage_device_names: Sequence[str],
         schedule: Schedule,
         remat: Sequence[bool],
+        jit_compile: bool = False,
     ):
         self.stages = list(stages)
         self.stage_device_names = list(stage_device_names)
@@ -146,6 +133,10 @@ class ScheduleExecutor:
         self.remat = list(remat)
         self.order = execution_order(schedule)
         self.device_of_stage = list(schedule.stage_devices)
+        self.stage_functions = [
+            StageFunctions(stage, index > 0, self.remat[index], jit_compile)
+            for index, stage in enumerate(self.stages)
+        ]
 
     def run(
         self,
@@ -168,7 +159,7 @@ class ScheduleExecutor:
 
 
 class _StepBuilder:
-    """The state of one traced step: stashed tapes, gradients in flight, device gates."""
+    """The state of one traced step: stashed residuals, gradients in flight, device gates."""
 
     def __init__(self, executor: ScheduleExecutor, microbatch_inputs, loss_fn, trace: bool):
         self.executor = executor
@@ -176,9 +167,9 @@ class _StepBuilder:
         self.loss_fn = loss_fn
         self.trace = trace
         self.last_stage = len(executor.stages) - 1
-        self.activations = {}  # (stage, microbatch) -> (inputs, outputs, tape, loss pair)
+        self.activations = {}  # (stage, microbatch) -> _Stash
         self.input_grads = {}  # (stage, microbatch) -> gradients w.r.t. flat stage inputs
-        self.pending_weight_grads = {}  # (stage, microbatch) -> (grads, held-back root ops)
+        self.carried = {}  # (stage, microbatch) -> what I computed for W
         self.device_gate = {}  # device -> tensors the next action on it must wait for
         self.accumulated = {}  # variable id -> gradient sum
         self.variables = {}  # variable id -> variable, in first-seen order
@@ -199,7 +190,7 @@ class _StepBuilder:
                 if action.kind == FORWARD:
                     produced = self._forward(action)
                 elif action.kind == WEIGHT_GRAD:
-                    produced = self._weight_grad(action, gate)
+                    produced = self._weight_grad(action)
                 else:
                     produced = self._backward(action, split=action.kind == INPUT_GRAD)
             if self.trace:
@@ -208,102 +199,80 @@ class _StepBuilder:
                 produced = [end]
         self.device_gate[device] = produced or gate
 
+    def _stage_inputs(self, stage: int, microbatch: int):
+        if stage == 0:
+            return self.inputs[microbatch]
+        return self.activations[(stage - 1, microbatch)].outputs
+
     def _arriving_tensors(self, action: Action) -> list:
         stage, microbatch = action.stage, action.microbatch
         if action.kind == FORWARD:
-            source = (
-                self.inputs[microbatch]
-                if stage == 0
-                else self.activations[(stage - 1, microbatch)][1]
-            )
-            return [t for t in tf.nest.flatten(source) if isinstance(t, tf.Tensor)]
+            return _tensors(self._stage_inputs(stage, microbatch))
         if action.kind in (BACKWARD, INPUT_GRAD) and stage < self.last_stage:
             return list(self.input_grads[(stage + 1, microbatch)])
         return []
 
-    def _stage_call(self, stage_index: int, microbatch: int, stage_inputs):
-        outputs = self.executor.stages[stage_index](stage_inputs, training=True)
-        loss_pair = None
-        if stage_index == self.last_stage:
-            loss_pair = self.loss_fn(microbatch, outputs)
-        return outputs, loss_pair
-
-    def _recorded_call(self, stage_index: int, microbatch: int, stage_inputs):
-        with tf.GradientTape() as tape:
-            tape.watch([t for t in tf.nest.flatten(stage_inputs) if _is_differentiable(t)])
-            outputs, loss_pair = self._stage_call(stage_index, microbatch, stage_inputs)
-        return outputs, loss_pair, tape
-
     def _forward(self, action: Action) -> list:
         stage, microbatch = action.stage, action.microbatch
-        if stage == 0:
-            stage_inputs = self.inputs[microbatch]
-        else:
-            stage_inputs = self.activations[(stage - 1, microbatch)][1]
-        if self.executor.remat[stage]:
-            outputs, loss_pair = self._stage_call(stage, microbatch, stage_inputs)
-            tape = None
-        else:
-            outputs, loss_pair, tape = self._recorded_call(stage, microbatch, stage_inputs)
-        self.activations[(stage, microbatch)] = (stage_inputs, outputs, tape, loss_pair)
-        produced = [t for t in tf.nest.flatten(outputs) if isinstance(t, tf.Tensor)]
-        if loss_pair is not None:
+        stage_inputs = self._stage_inputs(stage, microbatch)
+        flat_inputs = [tf.convert_to_tensor(t) for t in tf.nest.flatten(stage_inputs)]
+        traced = self.executor.stage_functions[stage].for_inputs(flat_inputs, stage_inputs)
+        results = traced.forward(*flat_inputs)
+        outputs = tf.nest.pack_sequence_as(traced.output_structure, results[: traced.num_outputs])
+        stash = _Stash(traced, flat_inputs, results[traced.num_outputs :], outputs)
+        self.activations[(stage, microbatch)] = stash
+        produced = _tensors(outputs)
+        if stage == self.last_stage:
+            stash.differentiable_outputs = [t for t in _tensors(outputs) if is_differentiable(t)]
+            with tf.GradientTape() as stash.loss_tape:
+                stash.loss_tape.watch(stash.differentiable_outputs)
+                loss, differentiated = self.loss_fn(microbatch, outputs)
+            stash.differentiated_loss = differentiated
             self.outputs[microbatch] = outputs
-            self.losses[microbatch] = loss_pair[0]
-            produced.append(loss_pair[1])
+            self.losses[microbatch] = loss
+            produced.append(differentiated)
         return produced
 
-    def _backward(self, action: Action, split: bool) -> list:
-        stage, microbatch = action.stage, action.microbatch
-        stage_inputs, outputs, tape, loss_pair = self.activations[(stage, microbatch)]
-        if tape is None:
-            outputs, loss_pair, tape = self._recorded_call(stage, microbatch, stage_inputs)
-        differentiable_inputs = (
-            [t for t in tf.nest.flatten(stage_inputs) if _is_differentiable(t)] if stage else []
+    def _output_grads(self, stage: int, microbatch: int, stash: _Stash) -> list:
+        if stage < self.last_stage:
+            return self.input_grads.pop((stage + 1, microbatch))
+        return stash.loss_tape.gradient(
+            stash.differentiated_loss,
+            stash.differentiable_outputs,
+            unconnected_gradients=tf.UnconnectedGradients.ZERO,
         )
-        weights = list(self.executor.stages[stage].trainable_variables)
-        graph = tf.compat.v1.get_default_graph()
-        ops_before = len(graph.get_operations())
-        if stage == self.last_stage:
-            gradients = tape.gradient(
-                loss_pair[1],
-                differentiable_inputs + weights,
-                unconnected_gradients=tf.UnconnectedGradients.ZERO,
-            )
-        else:
-            flat_outputs = [t for t in tf.nest.flatten(outputs) if _is_differentiable(t)]
-            gradients = tape.gradient(
-                flat_outputs,
-                differentiable_inputs + weights,
-                output_gradients=self.input_grads.pop((stage + 1, microbatch)),
-                unconnected_gradients=tf.UnconnectedGradients.ZERO,
-            )
-        input_grads = gradients[: len(differentiable_inputs)]
-        weight_grads = gradients[len(differentiable_inputs) :]
-        self.input_grads[(stage, microbatch)] = input_grads
-        if not split:
-            del self.activations[(stage, microbatch)]
-            sums = self._accumulate(weights, weight_grads)
-            # A whole backward hands its input gradient on when it ends, as planned; else
-            # the previous stage could overlap this stage's weight-gradient work.
-            with tf.control_dependencies(sums):
-                input_grads = [tf.identity(_tensor_part(g)) for g in input_grads]
-            self.input_grads[(stage, microbatch)] = input_grads
-            return input_grads + sums
-        new_ops = set(graph.get_operations()[ops_before:])
-        held_back = _ops_needed_only_by(weight_grads, input_grads, new_ops)
-        self.pending_weight_grads[(stage, microbatch)] = (weights, weight_grads, held_back)
-        return [_tensor_part(g) for g in input_grads]
 
-    def _weight_grad(self, action: Action, gate: Sequence[tf.Tensor]) -> list:
+    def _backward(self, action: Action, split: bool) -> list:
         key = (action.stage, action.microbatch)
-        weights, weight_grads, held_back = self.pending_weight_grads.pop(key)
-        gate_ops = [tensor.op for tensor in gate]
-        for op in held_back:
-            # The ops were created during I; W's turn on the device is only known now.
-            op._add_control_inputs([g for g in gate_ops if g not in op.control_inputs])
+        stash = self.activations[key]
+        traced = stash.traced
+        sources = {
+            "input": stash.inputs,
+            "residual": stash.residuals,
+            "output_grad": self._output_grads(*key, stash),
+        }
+        if split:
+            results = traced.input_grad(*_gather(traced.input_grad_feeds, sources))
+            input_grads = results[: traced.num_input_grads]
+            self.input_grads[key] = input_grads
+            self.carried[key] = dict(sources, carry=results[traced.num_input_grads :])
+            return list(input_grads)
+        results = traced.backward(*_gather(traced.backward_feeds, sources))
         del self.activations[key]
-        return self._accumulate(weights, weight_grads)
+        sums = self._accumulate(
+            traced.weights, traced.weight_gradients(results[traced.num_input_grads :])
+        )
+        # A whole backward hands its input gradient on when its sums are done, as planned.
+        with tf.control_dependencies(sums):
+            input_grads = [tf.identity(g) for g in results[: traced.num_input_grads]]
+        self.input_grads[key] = input_grads
+        return input_grads + sums
+
+    def _weight_grad(self, action: Action) -> list:
+        key = (action.stage, action.microbatch)
+        traced = self.activations.pop(key).traced
+        results = traced.weight_grad(*_gather(traced.weight_grad_feeds, self.carried.pop(key)))
+        return self._accumulate(traced.weights, traced.weight_gradients(results))
 
     def _accumulate(self, weights, weight_grads) -> list:
         sums = []
@@ -324,3 +293,16 @@ class _StepBuilder:
             variables=[self.variables[key] for key in keys],
             stamps=self.stamps if self.trace else None,
         )
+
+
+@dataclasses.dataclass
+class _Stash:
+    """What a stage's forward on one micro-batch leaves for its backward."""
+
+    traced: object
+    inputs: list
+    residuals: list
+    outputs: object
+    differentiable_outputs: list = dataclasses.field(default_factory=list)
+    loss_tape: tf.GradientTape | None = None
+    differentiated_loss: tf.Tensor | None = None

@@ -1,0 +1,118 @@
+"""Tracing cost: each stage's forward and backward are traced once, whatever the micro-batches.
+
+The step's graph holds one call per action, so its size grows with micro-batches by a few
+nodes per action, not by a copy of every stage's forward and backward.
+"""
+
+import collections
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from pipeline_runtime_models import FEATURES, OUTPUTS, Chain, regression_batches
+
+from tfmulti.devices import logical_device_names
+from tfmulti.pipeline.runtime import PipelineModel
+
+NUM_DEVICES = 2
+BATCH_SIZE = 16
+TRACES = collections.Counter()
+
+
+class CountingStage(keras.layers.Layer):
+    """Three dense layers whose forward and backward count how often Python traces them."""
+
+    def __init__(self, units, seed, **kwargs):
+        super().__init__(**kwargs)
+        self.denses = [
+            keras.layers.Dense(
+                units,
+                activation="gelu",
+                kernel_initializer=keras.initializers.GlorotUniform(seed + i),
+            )
+            for i in range(3)
+        ]
+
+    def call(self, inputs):
+        TRACES[("forward", self.name)] += 1
+        outputs = inputs
+        for dense in self.denses:
+            outputs = dense(outputs)
+        return self._counted_backward(outputs)
+
+    def _counted_backward(self, outputs):
+        @tf.custom_gradient
+        def identity(tensor):
+            def gradient(upstream):
+                TRACES[("backward", self.name)] += 1
+                return upstream
+
+            return tf.identity(tensor), gradient
+
+        return identity(outputs)
+
+
+def _stages(num_stages):
+    units = [8] * (num_stages - 1) + [OUTPUTS]
+    return [CountingStage(u, 10 * i, name=f"stage{i}") for i, u in enumerate(units)]
+
+
+def _built_pipeline(num_microbatches, schedule):
+    devices = logical_device_names("CPU")[:NUM_DEVICES]
+    pipeline = PipelineModel(_stages(NUM_DEVICES), devices, num_microbatches, schedule)
+    pipeline.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    pipeline(np.zeros((BATCH_SIZE, FEATURES), "float32"))
+    return pipeline
+
+
+def _traces_of_one_training_step(num_microbatches, schedule):
+    pipeline = _built_pipeline(num_microbatches, schedule)
+    TRACES.clear()
+    x, y = regression_batches(1, BATCH_SIZE)[0]
+    pipeline.train_on_batch(x, y)
+    return dict(TRACES)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_each_stage_forward_and_backward_traced_once_whatever_the_microbatches(schedule):
+    few = _traces_of_one_training_step(2, schedule)
+    many = _traces_of_one_training_step(8, schedule)
+    assert few == many
+    expected = {(part, f"stage{i}"): 1 for part in ("forward", "backward") for i in (0, 1)}
+    assert many == expected
+
+
+def _step_graph(num_microbatches):
+    pipeline = _built_pipeline(num_microbatches, "1f1b")
+    x, y = regression_batches(1, BATCH_SIZE)[0]
+
+    @tf.function(autograph=False)
+    def gradients(x, y):
+        return pipeline.run_schedule(x, y).gradients
+
+    return gradients.get_concrete_function(x, y).graph.as_graph_def()
+
+
+def test_step_graph_grows_by_a_few_nodes_per_action_not_a_copy_of_the_stages():
+    few, many = _step_graph(2), _step_graph(8)
+    actions_added = 2 * NUM_DEVICES * (8 - 2)
+    nodes_per_action = (len(many.node) - len(few.node)) / actions_added
+    # Copying each stage's forward and backward into the step adds ~60 nodes per action
+    # here; a call, the gradient sums, the hand-over identities and the last stage's loss
+    # add ~17, whatever the stage's depth.
+    assert nodes_per_action < 25, nodes_per_action
+    assert len(many.library.function) == len(few.library.function)
+
+
+def test_stage_functions_train_like_one_device():
+    x, y = regression_batches(1, BATCH_SIZE)[0]
+    pipeline = _built_pipeline(4, "zb_h1")
+    reference = Chain(_stages(NUM_DEVICES))
+    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    reference(x)
+    for _ in range(2):
+        pipeline.train_on_batch(x, y)
+        reference.train_on_batch(x, y)
+    for mine, theirs in zip(pipeline.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)

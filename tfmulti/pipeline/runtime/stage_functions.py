@@ -1,0 +1,293 @@
+"""A pipeline stage's forward and backward, traced once per input signature.
+
+The stage's Keras call and its tape's gradients are traced together once, into one graph;
+that graph is then cut (`WrappedFunction.prune`) into the functions a schedule's actions
+call: F (the outputs, plus the tensors the backward reads, its residuals), B (all
+gradients), and for split schedules I (input gradients, plus what W reads from I's work)
+and W (weight gradients). Every micro-batch calls the same functions, so the step's graph
+holds one call per action instead of a copy of the stage, and each function's body is
+optimized once for its device. With recomputation the forward returns no residuals and the
+backward functions replay the forward ops they need from the stage inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import tensorflow as tf
+
+_NO_INLINE = {"_noinline": True}
+
+
+def is_differentiable(tensor) -> bool:
+    """Whether gradients flow through `tensor` (float tensors; ids and masks get none)."""
+    return isinstance(tensor, tf.Tensor) and tensor.dtype.is_floating
+
+
+def _identity(value):
+    """An identity op on `value` (an IndexedSlices keeps its parts), so a fetch never is a
+    placeholder of the graph being cut."""
+    if isinstance(value, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.identity(value.values), tf.identity(value.indices), value.dense_shape
+        )
+    return tf.identity(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Feed:
+    """Where a cut function's input comes from: the stage `input`s, the forward's
+    `residual`s, the `output_grad`s arriving from the next stage, or I's `carry` for W."""
+
+    source: str
+    index: int
+
+
+class TracedStage:
+    """One stage's F, B, I and W functions for one input signature.
+
+    Call them with flat tensor lists; each returns a flat list. The executor keeps the
+    stage inputs, the forward's residuals, the output gradients and I's carry, and hands
+    each function the ones its `*_feeds` name.
+    """
+
+    def __init__(
+        self,
+        stage,
+        structure,
+        input_specs: Sequence[tf.TensorSpec],
+        differentiate_inputs: bool,
+        remat: bool,
+        jit_compile: bool,
+    ):
+        traced = {}
+
+        def full_step(*flat_inputs):
+            traced.update(
+                _trace_forward_and_backward(stage, structure, flat_inputs, differentiate_inputs)
+            )
+            return []
+
+        wrapped = tf.compat.v1.wrap_function(full_step, list(input_specs))
+        graph = wrapped.graph
+        captures = {tensor.ref() for tensor in graph.internal_captures}
+        inputs = list(traced["inputs"])
+        output_grads = traced["output_grads"]
+        forward_ops = traced["forward_ops"]
+        flat_outputs = traced["outputs"]
+        input_grads = traced["input_grads"]
+        weight_grads = traced["weight_grads"]
+        self.output_structure = traced["output_structure"]
+        self.weights = traced["weights"]
+        self.num_input_grads = len(input_grads)
+        self._weight_grad_structure = weight_grads
+        flat_weight_grads = tf.nest.flatten(weight_grads, expand_composites=True)
+
+        kept = {t.ref() for t in inputs} if remat else None
+        input_ids = {t.ref(): i for i, t in enumerate(inputs)}
+        grad_ids = {t.ref(): i for i, t in enumerate(output_grads)}
+
+        def from_forward(tensor) -> bool:
+            if tensor.ref() in grad_ids:
+                return True
+            if kept is not None:
+                return tensor.ref() in kept
+            return tensor.op in forward_ops
+
+        _, backward_needs = _cut(input_grads + flat_weight_grads, from_forward, captures)
+        residuals = [
+            t for t in backward_needs if t.ref() not in input_ids and t.ref() not in grad_ids
+        ]
+        residual_ids = {t.ref(): i for i, t in enumerate(residuals)}
+
+        def feed(tensor, carry_ids=None) -> _Feed:
+            if tensor.ref() in input_ids:
+                return _Feed("input", input_ids[tensor.ref()])
+            if tensor.ref() in grad_ids:
+                return _Feed("output_grad", grad_ids[tensor.ref()])
+            if carry_ids is not None and tensor.ref() in carry_ids:
+                return _Feed("carry", carry_ids[tensor.ref()])
+            return _Feed("residual", residual_ids[tensor.ref()])
+
+        targets = _unread_stateful_ops(forward_ops)
+        self.forward = _function(
+            wrapped, inputs, list(flat_outputs) + residuals, targets, jit_compile
+        )
+        self.num_outputs = len(flat_outputs)
+        self.backward_feeds = [feed(t) for t in backward_needs]
+
+        input_grad_ops, input_grad_needs = _cut(input_grads, from_forward, captures)
+
+        def before_weight_grad(tensor) -> bool:
+            return from_forward(tensor) or tensor.op in input_grad_ops
+
+        _, weight_grad_needs = _cut(flat_weight_grads, before_weight_grad, captures)
+        carry = [t for t in weight_grad_needs if t.op in input_grad_ops]
+        carry_ids = {t.ref(): i for i, t in enumerate(carry)}
+        self.input_grad_feeds = [feed(t) for t in input_grad_needs]
+        self.weight_grad_feeds = [feed(t, carry_ids) for t in weight_grad_needs]
+        # Cutting a function out costs about as much as tracing it, and a schedule uses
+        # either B or I and W: each is cut at its first call.
+        self._cuts = {
+            "backward": (backward_needs, input_grads + flat_weight_grads),
+            "input_grad": (input_grad_needs, input_grads + carry),
+            "weight_grad": (weight_grad_needs, flat_weight_grads),
+        }
+        self._wrapped = wrapped
+        self._jit_compile = jit_compile
+
+    def _cut_function(self, name: str) -> Callable:
+        feeds, fetches = self._cuts[name]
+        return _function(self._wrapped, feeds, fetches, [], self._jit_compile)
+
+    @functools.cached_property
+    def backward(self) -> Callable:
+        """All gradients (input gradients, then weight gradients) from `backward_feeds`."""
+        return self._cut_function("backward")
+
+    @functools.cached_property
+    def input_grad(self) -> Callable:
+        """The input gradients, then the carry W reads, from `input_grad_feeds`."""
+        return self._cut_function("input_grad")
+
+    @functools.cached_property
+    def weight_grad(self) -> Callable:
+        """The weight gradients from `weight_grad_feeds`."""
+        return self._cut_function("weight_grad")
+
+    def weight_gradients(self, flat: Sequence[tf.Tensor]) -> list:
+        """The weight gradients (IndexedSlices for sparse ones) from B's or W's flat outputs."""
+        return tf.nest.pack_sequence_as(
+            self._weight_grad_structure, list(flat), expand_composites=True
+        )
+
+
+class StageFunctions:
+    """A stage's `TracedStage`s, one per input signature (shapes, dtypes, nesting).
+
+    Args:
+        stage: the stage's Keras layer (built).
+        differentiate_inputs: whether the backward computes gradients for the stage's
+            float inputs (not needed for the first stage).
+        remat: whether the backward replays the forward instead of keeping residuals.
+        jit_compile: compile each function with XLA for its device.
+
+    Example:
+        >>> functions = StageFunctions(stage, differentiate_inputs=True, remat=False)
+        >>> traced = functions.for_inputs(x)  # traces once; later calls reuse it
+    """
+
+    def __init__(self, stage, differentiate_inputs: bool, remat: bool, jit_compile: bool = False):
+        self.stage = stage
+        self.differentiate_inputs = differentiate_inputs
+        self.remat = remat
+        self.jit_compile = jit_compile
+        self.traces = 0
+        self._traced = {}
+
+    def for_inputs(self, flat_inputs: Sequence[tf.Tensor], structure) -> TracedStage:
+        """The functions for stage inputs like `flat_inputs` (nested as `structure`)."""
+        specs = [tf.TensorSpec(t.shape, t.dtype) for t in flat_inputs]
+        key = (repr(tf.nest.map_structure(lambda _: 0, structure)), tuple(specs))
+        if key not in self._traced:
+            self.traces += 1
+            self._traced[key] = TracedStage(
+                self.stage,
+                structure,
+                specs,
+                self.differentiate_inputs,
+                self.remat,
+                self.jit_compile,
+            )
+        return self._traced[key]
+
+
+def _trace_forward_and_backward(stage, structure, flat_inputs, differentiate_inputs) -> dict:
+    """Calls `stage` under a tape and asks for all gradients, weighted by placeholders."""
+    graph = tf.compat.v1.get_default_graph()
+    flat_inputs = list(flat_inputs)
+    watched = [t for t in flat_inputs if is_differentiable(t)] if differentiate_inputs else []
+    with tf.GradientTape() as tape:
+        tape.watch(watched)
+        outputs = stage(tf.nest.pack_sequence_as(structure, flat_inputs), training=True)
+        outputs = tf.nest.map_structure(_identity, outputs)
+    forward_ops = set(graph.get_operations())
+    flat_outputs = tf.nest.flatten(outputs)
+    differentiable = [t for t in flat_outputs if is_differentiable(t)]
+    output_grads = [
+        tf.compat.v1.placeholder(t.dtype, t.shape, name="output_grad") for t in differentiable
+    ]
+    weights = list(stage.trainable_variables)
+    gradients = tape.gradient(
+        differentiable,
+        watched + weights,
+        output_gradients=output_grads,
+        unconnected_gradients=tf.UnconnectedGradients.ZERO,
+    )
+    # Gradients handed to the previous stage travel dense; weight gradients may be sparse.
+    input_grads = [tf.identity(tf.convert_to_tensor(g)) for g in gradients[: len(watched)]]
+    return {
+        "inputs": flat_inputs,
+        "outputs": flat_outputs,
+        "output_structure": outputs,
+        "output_grads": output_grads,
+        "forward_ops": forward_ops,
+        "input_grads": input_grads,
+        "weight_grads": [_identity(g) for g in gradients[len(watched) :]],
+        "weights": weights,
+    }
+
+
+def _cut(
+    fetches: Sequence[tf.Tensor], available: Callable[[tf.Tensor], bool], captures: set
+) -> tuple[set, list[tf.Tensor]]:
+    """The ops computing `fetches` from tensors that are `available`, and those tensors.
+
+    Captured tensors (variable handles) are neither: a cut function captures them itself.
+    """
+    ops, needs, seen_needs = set(), [], set()
+    pending = [t.op for t in fetches]
+    while pending:
+        op = pending.pop()
+        if op in ops:
+            continue
+        ops.add(op)
+        for tensor in op.inputs:
+            if tensor.ref() in captures:
+                continue
+            if available(tensor):
+                if tensor.ref() not in seen_needs:
+                    seen_needs.add(tensor.ref())
+                    needs.append(tensor)
+            else:
+                pending.append(tensor.op)
+    return ops, needs
+
+
+def _unread_stateful_ops(forward_ops: set) -> list[tf.Operation]:
+    """Forward ops that only change state (BatchNorm's moving statistics, seed updates):
+    the forward function must run them although no output reads them."""
+    return [
+        op
+        for op in forward_ops
+        if op._is_stateful
+        and op.type not in ("Placeholder", "VarHandleOp", "ReadVariableOp")
+        and not any(t.consumers() for t in op.outputs)
+    ]
+
+
+def _function(wrapped, feeds, fetches, targets, jit_compile: bool) -> Callable:
+    """`fetches` as a function of `feeds`, called as one op that is not inlined."""
+    fetch_ops = list(targets)
+    pruned = wrapped.prune(feeds=list(feeds), fetches=list(fetches) + fetch_ops)
+    num_fetches = len(fetches)
+
+    def call(*flat):
+        return list(pruned(*flat))[:num_fetches]
+
+    function = tf.function(
+        call, autograph=False, jit_compile=jit_compile or None, experimental_attributes=_NO_INLINE
+    )
+    return function.get_concrete_function(*[tf.TensorSpec(t.shape, t.dtype) for t in feeds])
