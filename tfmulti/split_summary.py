@@ -66,7 +66,7 @@ class SplitSummary:
     def __str__(self) -> str:
         heading = (
             f"Pipeline split: {len(self.stages)} stages, schedule {self.schedule}, "
-            f"{self.num_microbatches} micro-batches"
+            f"{self.num_microbatches} micro-batch{'' if self.num_microbatches == 1 else 'es'}"
         )
         if self.data_replicas > 1:
             heading += f", {self.data_replicas} data replicas"
