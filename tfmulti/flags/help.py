@@ -96,5 +96,6 @@ def install_help_flags(usage: str | None, module: str = "__main__", title: str =
     """
     usage = usage if usage is not None else (sys.modules["__main__"].__doc__ or "")
     text = functools.partial(script_help, usage, module, title)
-    flags.DEFINE_flag(_ScriptHelpFlag("help", "?", text))
-    flags.DEFINE_flag(_ScriptHelpFlag("helpshort", None, text))
+    # Listed where absl's own help flags were, so --helpfull reads as before.
+    flags.DEFINE_flag(_ScriptHelpFlag("help", "?", text), module_name="absl.app")
+    flags.DEFINE_flag(_ScriptHelpFlag("helpshort", None, text), module_name="absl.app")
