@@ -9,6 +9,7 @@ import pytest
 
 from tfmulti.devices import logical_device_names
 from tfmulti.pipeline.runtime import PipelineModel, stages_from_blocks
+from tfmulti.pipeline.runtime.partition import BlockStage
 from tfmulti.pipeline.schedules import build_schedule
 from tfmulti.split_summary import predicted_bubble, split_summary
 
@@ -52,3 +53,17 @@ def test_summary_of_a_built_pipeline_lists_each_stages_blocks_device_and_params(
 
 def test_a_model_without_stages_has_no_summary():
     assert split_summary(keras.Sequential([keras.layers.Dense(2)])) is None
+
+
+def test_a_weight_two_stages_share_counts_once_in_the_first():
+    shared = keras.layers.Dense(4, name="shared")
+    stages = [
+        BlockStage([shared], name="first"),
+        BlockStage([shared, keras.layers.Dense(2, name="head")], name="second"),
+    ]
+    model = PipelineModel(stages, logical_device_names("CPU")[:2], 1, "gpipe")
+    model(np.zeros((2, 4), "float32"))
+
+    summary = split_summary(model)
+
+    assert [stage.params for stage in summary.stages] == [4 * 4 + 4, 4 * 2 + 2]

@@ -104,8 +104,15 @@ def _stage_block_names(stage: keras.layers.Layer) -> tuple[str, ...]:
     return (stage.name,)
 
 
-def _stage_params(stage: keras.layers.Layer) -> int:
-    return int(sum(variable.numpy().size for variable in stage.trainable_variables))
+def _stage_params(stages: list[keras.layers.Layer]) -> list[int]:
+    """Trainable parameters per stage; a weight two stages share (a tied embedding)
+    counts in the first, which holds and updates it."""
+    counted, params = set(), []
+    for stage in stages:
+        own = [v for v in stage.trainable_variables if id(v) not in counted]
+        counted.update(id(v) for v in own)
+        params.append(int(sum(v.numpy().size for v in own)))
+    return params
 
 
 def predicted_bubble(schedule, stage_params: list[int]) -> float:
@@ -123,9 +130,14 @@ def split_summary(model: keras.Model) -> SplitSummary | None:
     if not hasattr(pipeline, "stage_devices"):
         return None
     stages = tuple(
-        StageSplit(index, device, _stage_block_names(stage), _stage_params(stage))
-        for index, (stage, device) in enumerate(
-            zip(pipeline.stages, pipeline.stage_devices, strict=True)
+        StageSplit(index, device, _stage_block_names(stage), params)
+        for index, (stage, device, params) in enumerate(
+            zip(
+                pipeline.stages,
+                pipeline.stage_devices,
+                _stage_params(pipeline.stages),
+                strict=True,
+            )
         )
     )
     return SplitSummary(
