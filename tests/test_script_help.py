@@ -1,23 +1,16 @@
 """`--help` of every script lists the script's own flags, by group, and nothing of absl's
 or TensorFlow's; its examples print as runnable commands."""
 
+import glob
 import os
 import re
 import subprocess
 import sys
 
 import pytest
-from script_runner import run_script
+from script_runner import REPO_ROOT, run_script
 
-SCRIPTS = (
-    "train.py",
-    "launch.py",
-    "plan.py",
-    "plan_pipeline.py",
-    "benchmark_dp.py",
-    "benchmark_parallel.py",
-    "benchmark_pipeline.py",
-)
+SCRIPTS = sorted(os.path.basename(path) for path in glob.glob(f"{REPO_ROOT}/scripts/*.py"))
 CONSOLE_COMMANDS = {
     "tfmulti-train": "train.py",
     "tfmulti-launch": "launch.py",
