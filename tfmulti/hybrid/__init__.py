@@ -1,6 +1,12 @@
 """Hybrid parallelism: data-parallel copies of a pipelined model, on one host or many."""
 
-from tfmulti.hybrid.build import build_hybrid_model, local_device_names, resolve_hybrid_cluster
+from tfmulti.hybrid.build import (
+    build_hybrid_model,
+    build_hybrid_model_from_model,
+    copy_model,
+    local_device_names,
+    resolve_hybrid_cluster,
+)
 from tfmulti.hybrid.hybrid_model import HybridPipelineModel
 from tfmulti.hybrid.worker_collectives import WorkerCollectives
 from tfmulti.hybrid.worker_input import worker_rows
@@ -9,6 +15,8 @@ __all__ = [
     "HybridPipelineModel",
     "WorkerCollectives",
     "build_hybrid_model",
+    "build_hybrid_model_from_model",
+    "copy_model",
     "local_device_names",
     "resolve_hybrid_cluster",
     "worker_rows",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Mapping, Sequence
 
 import keras
 import tensorflow as tf
+from keras.src.models.functional import Functional
 
 from tfmulti.cluster import ClusterInfo, resolve_cluster
 from tfmulti.devices import logical_device_names
@@ -14,6 +16,7 @@ from tfmulti.hybrid.hybrid_model import HybridPipelineModel
 from tfmulti.hybrid.worker_collectives import WorkerCollectives
 from tfmulti.mesh import DeviceMesh, MeshError, parse_mesh
 from tfmulti.pipeline.runtime.partition import partition_blocks, stages_from_blocks
+from tfmulti.pipeline.runtime.pipeline_model import PipelineModel
 
 
 def resolve_hybrid_cluster(
@@ -103,15 +106,9 @@ def build_hybrid_model(
         ...     lambda: registry.build_blocks("mlp", (64,), 10, seed=0), "data=2,pipe=2",
         ...     num_microbatches=4, schedule="zb_h1")
     """
-    mesh = parse_mesh(mesh) if isinstance(mesh, str) else mesh
-    if mesh.tensor > 1:
-        raise MeshError(
-            f"Mesh {mesh} asks for tensor parallelism, which hybrid training does not "
-            f"support yet. Received: tensor={mesh.tensor}; use tensor=1."
-        )
-    devices = list(devices) if devices is not None else local_device_names(cluster)
-    num_workers = cluster.num_workers if cluster is not None else 1
-    replica_devices = mesh.replica_devices(devices, num_workers)
+    mesh, replica_devices, collectives = _hybrid_layout(
+        mesh, devices, cluster, communication, collective_timeout
+    )
     num_stages = mesh.pipe * chunks
     if partition_boundaries is None:
         partition_boundaries = partition_blocks(make_blocks(), num_stages).boundaries
@@ -121,11 +118,6 @@ def build_hybrid_model(
             f"{num_stages - 1} boundaries. Received: partition_boundaries="
             f"{list(partition_boundaries)}"
         )
-    collectives = None
-    if num_workers > 1:
-        collectives = WorkerCollectives(
-            num_workers, cluster.task_index, communication, collective_timeout
-        )
     return HybridPipelineModel(
         lambda: stages_from_blocks(make_blocks(), partition_boundaries),
         replica_devices,
@@ -134,3 +126,100 @@ def build_hybrid_model(
         remat=remat,
         worker_collectives=collectives,
     )
+
+
+def build_hybrid_model_from_model(
+    model: keras.Model,
+    mesh: DeviceMesh | str,
+    num_microbatches: int,
+    schedule: str = "1f1b",
+    chunks: int = 1,
+    partition: str | Sequence[str] = "params",
+    remat: bool = False,
+    sample_input=None,
+    devices: Sequence[str] | None = None,
+    cluster: ClusterInfo | None = None,
+    communication: str = "auto",
+    collective_timeout: float | None = None,
+) -> HybridPipelineModel:
+    """Builds a `HybridPipelineModel` whose replicas pipeline copies of a whole Keras model.
+
+    Replica 0 is `PipelineModel.from_model(model, ...)`, cut by `partition`; every other
+    replica pipelines a copy of `model` (`copy_model`), cut at the same calls, and starts
+    from replica 0's weights. `to_model()` and `save` give back `model` with the trained
+    weights. Arguments as for `build_hybrid_model` and `PipelineModel.from_model`.
+
+    Example:
+        >>> hybrid = build_hybrid_model_from_model(model, "data=2,pipe=2", 4, "1f1b")
+    """
+    mesh, replica_devices, collectives = _hybrid_layout(
+        mesh, devices, cluster, communication, collective_timeout
+    )
+    made: list[PipelineModel] = []
+
+    def make_pipeline(devices_of_replica: list[str]) -> PipelineModel:
+        # Replica 0 cuts the model; the copies are cut at the same calls.
+        pipeline = PipelineModel.from_model(
+            copy_model(model) if made else model,
+            devices_of_replica,
+            num_microbatches,
+            schedule,
+            chunks=chunks,
+            partition=stage_boundaries(made[0].stages) if made else partition,
+            remat=remat,
+            sample_input=sample_input,
+        )
+        made.append(pipeline)
+        return pipeline
+
+    return HybridPipelineModel(
+        None,
+        replica_devices,
+        num_microbatches,
+        schedule,
+        remat=remat,
+        worker_collectives=collectives,
+        make_pipeline=make_pipeline,
+    )
+
+
+def copy_model(model: keras.Model) -> keras.Model:
+    """A new model of the same architecture and layer names (weights not copied).
+
+    Functional models and Sequentials are cloned layer by layer; other models (KerasHub
+    tasks) are rebuilt from their config.
+    """
+    if type(model) in (Functional, keras.Sequential):
+        return keras.models.clone_model(model)
+    return type(model).from_config(model.get_config())
+
+
+def stage_boundaries(stages: Sequence[keras.layers.Layer]) -> list[int]:
+    """Index of the first call of stages 1, 2, ... in their model's call graph."""
+    ends = itertools.accumulate(len(stage.call_names) for stage in stages)
+    return list(ends)[:-1]
+
+
+def _hybrid_layout(
+    mesh: DeviceMesh | str,
+    devices: Sequence[str] | None,
+    cluster: ClusterInfo | None,
+    communication: str,
+    collective_timeout: float | None,
+) -> tuple[DeviceMesh, list[list[str]], WorkerCollectives | None]:
+    """The mesh, each local replica's devices, and the collectives across workers."""
+    mesh = parse_mesh(mesh) if isinstance(mesh, str) else mesh
+    if mesh.tensor > 1:
+        raise MeshError(
+            f"Mesh {mesh} asks for tensor parallelism, which hybrid training does not "
+            f"support yet. Received: tensor={mesh.tensor}; use tensor=1."
+        )
+    devices = list(devices) if devices is not None else local_device_names(cluster)
+    num_workers = cluster.num_workers if cluster is not None else 1
+    replica_devices = mesh.replica_devices(devices, num_workers)
+    collectives = None
+    if num_workers > 1:
+        collectives = WorkerCollectives(
+            num_workers, cluster.task_index, communication, collective_timeout
+        )
+    return mesh, replica_devices, collectives

@@ -41,7 +41,8 @@ class HybridPipelineModel(keras.Model):
     Args:
         make_stages: returns a new list of unbuilt stages, the same model at every call;
             called once per local replica. Replica 0's initial weights are copied into
-            the others (and, across workers, the chief's into every worker's).
+            the others (and, across workers, the chief's into every worker's). None when
+            `make_pipeline` makes the replicas.
         replica_devices: per local replica, the device of each of its p pipeline devices,
             e.g. from `DeviceMesh.replica_devices`.
         num_microbatches: micro-batches each replica splits its part into per step (m).
@@ -50,6 +51,8 @@ class HybridPipelineModel(keras.Model):
         remat: recompute forwards in backwards, as for `PipelineModel`.
         worker_collectives: sums over workers when data replicas also live on other
             workers; None when every replica is on this host.
+        make_pipeline: instead of `make_stages`: returns a new `PipelineModel` of the
+            same model on the given devices (e.g. `PipelineModel.from_model` of a copy).
         **kwargs: passed to `keras.Model` (e.g. `name`).
 
     Example:
@@ -63,12 +66,13 @@ class HybridPipelineModel(keras.Model):
 
     def __init__(
         self,
-        make_stages: Callable[[], Sequence[keras.layers.Layer]],
+        make_stages: Callable[[], Sequence[keras.layers.Layer]] | None,
         replica_devices: Sequence[Sequence[str]],
         num_microbatches: int = 1,
         schedule: str | Schedule = "1f1b",
         remat: bool | Sequence[bool] = False,
         worker_collectives: WorkerCollectives | None = None,
+        make_pipeline: Callable[[list[str]], PipelineModel] | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -78,10 +82,18 @@ class HybridPipelineModel(keras.Model):
                 "replica_devices needs at least one replica's device list. "
                 f"Received: replica_devices={replica_devices!r}"
             )
-        self.replicas = [
-            PipelineModel(list(make_stages()), devices, num_microbatches, schedule, remat)
-            for devices in replica_devices
-        ]
+        if (make_stages is None) == (make_pipeline is None):
+            raise ValueError(
+                "HybridPipelineModel makes its replicas from exactly one of make_stages and "
+                "make_pipeline. Received: both or neither."
+            )
+        if make_pipeline is None:
+            self.replicas = [
+                PipelineModel(list(make_stages()), devices, num_microbatches, schedule, remat)
+                for devices in replica_devices
+            ]
+        else:
+            self.replicas = [make_pipeline(devices) for devices in replica_devices]
         self.num_microbatches = self.replicas[0].num_microbatches
         self.worker_collectives = worker_collectives
         num_workers = worker_collectives.num_workers if worker_collectives else 1
@@ -108,6 +120,15 @@ class HybridPipelineModel(keras.Model):
                 f"{inner.global_clipnorm}; use clipnorm or clipvalue."
             )
         place_optimizer_on_variable_devices(self.optimizer)
+
+    def to_model(self) -> keras.Model:
+        """Replica 0 as a plain single-device Keras model sharing its weights (every copy
+        holds the same weights); see `PipelineModel.to_model`."""
+        return self.replicas[0].to_model()
+
+    def save(self, filepath, overwrite=True, **kwargs):
+        """Saves `to_model()`: an ordinary model, loadable without tfmulti."""
+        self.replicas[0].save(filepath, overwrite=overwrite, **kwargs)
 
     def build(self, input_shape=None):
         # Replicas are built on their devices at the first call, once input dtypes are known.

@@ -9,7 +9,7 @@ from tfmulti.cluster import ClusterInfo, build_multi_worker_strategy
 from tfmulti.config import TrainConfig
 from tfmulti.spread.base import BuildContext, Spread, check_batch_splits
 from tfmulti.spread.model_source import ModelSource
-from tfmulti.spread.pipeline import require_blocks, split_blocks
+from tfmulti.spread.pipeline import model_partition, split_blocks
 
 
 class Hybrid(Spread):
@@ -36,11 +36,11 @@ class Hybrid(Spread):
         return parse_mesh(config.mesh).data
 
     def build(self, source: ModelSource, config: TrainConfig, context: BuildContext) -> keras.Model:
-        """A `HybridPipelineModel` over fresh copies of the model's blocks."""
-        from tfmulti.hybrid import build_hybrid_model
+        """A `HybridPipelineModel` over fresh copies of the model's blocks, or of the
+        user's whole model."""
+        from tfmulti.hybrid import build_hybrid_model, build_hybrid_model_from_model
         from tfmulti.mesh import parse_mesh
 
-        require_blocks(source, config)
         mesh = parse_mesh(config.mesh)
         rows_per_step = mesh.data * config.microbatches
         check_batch_splits(
@@ -48,6 +48,20 @@ class Hybrid(Spread):
             rows_per_step,
             f"data={mesh.data} replicas x {config.microbatches} micro-batches",
         )
+        if not source.is_reference:
+            return build_hybrid_model_from_model(
+                source.model(),
+                mesh,
+                config.microbatches,
+                config.schedule,
+                chunks=config.chunks,
+                partition=model_partition(config.partition),
+                remat=config.remat,
+                sample_input=context.sample_x[: config.batch_size // rows_per_step],
+                cluster=context.cluster,
+                communication=config.communication,
+                collective_timeout=config.collective_timeout,
+            )
         boundaries = split_blocks(
             config,
             source.blocks(),

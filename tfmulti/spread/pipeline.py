@@ -18,17 +18,6 @@ class Pipeline(DeviceSpread):
         return build_staged_model(source, config, context.sample_x, pipelined=True)
 
 
-def require_blocks(source: ModelSource, config: TrainConfig) -> None:
-    """Raises a one-line ValueError for a model that has no block list to cut into stages."""
-    if not source.is_reference:
-        raise ValueError(
-            f"--strategy={config.strategy} cuts the reference models' block lists; a model "
-            "from package.module:function cannot be spread this way from the script yet. Use "
-            "--strategy=pipeline, model_parallel or a data-parallel strategy. "
-            f"Received: --model={source.name}"
-        )
-
-
 def model_partition(partition: str) -> str | list[str]:
     """`--partition` for a whole model: a policy, or "layers:A,B" (layers where stages 1.. begin).
 

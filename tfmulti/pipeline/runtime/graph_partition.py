@@ -46,8 +46,9 @@ def choose_boundaries(
         model: the functional model `graph` was walked from.
         graph: `call_graph(model, open_nested=True)`.
         num_stages: stages to make (p·v).
-        partition: a policy in `GRAPH_PARTITION_POLICIES`, or the names of the calls
-            where stages 1.. begin ("block_3", or "backbone/block_3" inside a nested model).
+        partition: a policy in `GRAPH_PARTITION_POLICIES`, or the calls where stages 1..
+            begin: names ("block_3", or "backbone/block_3" inside a nested model) or
+            indices into `graph.nodes` (as another copy of the model was cut).
         num_microbatches: micro-batches per step, for the simulated step time.
         schedule: the pipeline's schedule (a name is simulated; anything else as 1F1B).
         sample_input: one micro-batch of model input; "time" and "memory" need it.
@@ -68,7 +69,9 @@ def choose_boundaries(
                 f"A list partition names where each stage after the first begins: "
                 f"{num_stages - 1} names for {num_stages} stages. Received: partition={names}"
             )
-        boundaries = tuple(_call_index(graph, name) for name in names)
+        boundaries = tuple(
+            _call_index(graph, name) if isinstance(name, str) else int(name) for name in names
+        )
         policy = "manual"
     elif partition in GRAPH_PARTITION_POLICIES:
         boundaries, policy = None, partition
