@@ -7,10 +7,16 @@ hits both alike; examples/sec and their ratio. Also the bytes the split layer mo
 step, measured in its traced graph and counted analytically. Logical CPU devices share
 the machine's cores, so a gain shows only where both devices' matmuls overlap.
 
+The `keras_llama` section builds a small KerasHub Llama under
+`keras.distribution.ModelParallel` with `LlamaBackbone.get_layout_map` for each of
+`--llama_ways` (1: unsharded) and records variable bytes per device (model and Adam
+state separately) and training examples/sec, timed in rotating rounds.
+
 Prints a JSON list of records; `--out` writes it.
 
 Example:
     python scripts/benchmark_parallel.py --d_models=1024,2048 --rows=2048 --out=/tmp/tp.json
+    python scripts/benchmark_parallel.py --sections=keras_llama --llama_ways=1,2,4
 """
 
 import json
@@ -24,13 +30,24 @@ from tfmulti.flags.parsing import run_script
 from tfmulti.tf_startup import start_tensorflow
 
 define_console_flags()
+flags.DEFINE_multi_enum(
+    "sections", ["mlp", "keras_llama"], ["mlp", "keras_llama"], "Benchmarks to run."
+)
 flags.DEFINE_list("d_models", ["1024", "2048"], "Model widths; the MLP's hidden width is 4x.")
 flags.DEFINE_list("rows", ["2048"], "Rows per step (batch x sequence length).")
 flags.DEFINE_integer("sequence_length", 128, "Tokens per example.", lower_bound=1)
 flags.DEFINE_integer("tensor_parallel", 2, "Devices the MLP is split over.", lower_bound=2)
 flags.DEFINE_integer("steps", 3, "Timed steps per round and layout.", lower_bound=1)
 flags.DEFINE_integer("rounds", 2, "ABBA rounds (each times both layouts twice).", lower_bound=1)
+flags.DEFINE_list("llama_ways", ["1", "2", "4"], "keras_llama: devices the layout shards over.")
+flags.DEFINE_integer("llama_hidden_dim", 64, "keras_llama: hidden width (4 heads).", lower_bound=4)
+flags.DEFINE_integer("llama_batch_size", 8, "keras_llama: examples per step.", lower_bound=1)
 flags.DEFINE_string("out", None, "Write the JSON records to this file.")
+flags.register_validator(
+    "llama_ways",
+    lambda values: all(value.isdigit() and int(value) >= 1 for value in values),
+    "each value must be a positive integer (devices the Llama layout shards over)",
+)
 flags.register_validator(
     "rows",
     lambda values: all(int(v) % FLAGS.sequence_length == 0 for v in values),
@@ -122,17 +139,103 @@ def mlp_record(d_model: int, rows: int) -> dict:
     }
 
 
+def _llama(ways: int):
+    """The small Llama causal LM, sharded `ways` ways by KerasHub's own layout map."""
+    import contextlib
+
+    import keras
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    scope = contextlib.nullcontext()
+    if ways > 1:
+        devices = keras.distribution.list_devices("cpu")[:ways]
+        mesh = keras.distribution.DeviceMesh((1, ways), ("batch", "model"), devices)
+        layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+        scope = keras.distribution.ModelParallel(layout_map=layout_map).scope()
+    with scope:
+        backbone = keras_hub.models.LlamaBackbone(
+            vocabulary_size=LLAMA_VOCABULARY,
+            num_layers=2,
+            num_query_heads=4,
+            num_key_value_heads=4,
+            hidden_dim=FLAGS.llama_hidden_dim,
+            intermediate_dim=4 * FLAGS.llama_hidden_dim,
+        )
+        model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+LLAMA_VOCABULARY = 256
+
+
+def keras_llama_records() -> list[dict]:
+    """Variable bytes per device and examples/sec of the Llama sharded 1, 2, 4... ways."""
+    import numpy as np
+
+    from tfmulti.parallel import variable_bytes_per_device
+
+    rng = np.random.default_rng(0)
+    shape = (FLAGS.llama_batch_size, FLAGS.sequence_length)
+    inputs = {
+        "token_ids": rng.integers(0, LLAMA_VOCABULARY, shape).astype("int32"),
+        "padding_mask": np.ones(shape, "int32"),
+    }
+    targets = rng.integers(0, LLAMA_VOCABULARY, shape).astype("int32")
+    ways_list = [int(value) for value in FLAGS.llama_ways]
+    models = {ways: _llama(ways) for ways in ways_list}
+    seconds = {ways: [] for ways in ways_list}
+    for model in models.values():
+        model.train_on_batch(inputs, targets)  # trace, build the optimizer, warm up
+    for round_index in range(FLAGS.rounds):
+        order = ways_list if round_index % 2 == 0 else ways_list[::-1]
+        for ways in order:
+            for _ in range(FLAGS.steps):
+                start = time.perf_counter()
+                models[ways].train_on_batch(inputs, targets)
+                seconds[ways].append(time.perf_counter() - start)
+    records = []
+    for ways, model in models.items():
+        step_ms = 1000 * statistics.median(seconds[ways])
+        weights = variable_bytes_per_device(model)
+        records.append(
+            {
+                "benchmark": "keras_model_parallel_llama",
+                "ways": ways,
+                "hidden_dim": FLAGS.llama_hidden_dim,
+                "batch_size": FLAGS.llama_batch_size,
+                "sequence_length": FLAGS.sequence_length,
+                "step_ms": step_ms,
+                "examples_per_sec": 1000 * FLAGS.llama_batch_size / step_ms,
+                "variable_bytes_per_device": weights,
+                "optimizer_bytes_per_device": variable_bytes_per_device(model, "optimizer"),
+                "max_variable_bytes_on_a_device": max(weights.values()),
+            }
+        )
+    return records
+
+
 def main(argv):
     del argv
     start_tensorflow(FLAGS.tf_log_level)
     from tfmulti.devices import configure_logical_devices
 
-    configure_logical_devices(FLAGS.tensor_parallel, device_type="CPU")
+    llama_ways = [int(value) for value in FLAGS.llama_ways]
+    configure_logical_devices(max([FLAGS.tensor_parallel, *llama_ways]), device_type="CPU")
     records = []
-    for d_model in (int(value) for value in FLAGS.d_models):
-        for rows in (int(value) for value in FLAGS.rows):
-            records.append(mlp_record(d_model, rows))
-            print(json.dumps(records[-1]), flush=True)
+    if "mlp" in FLAGS.sections:
+        for d_model in (int(value) for value in FLAGS.d_models):
+            for rows in (int(value) for value in FLAGS.rows):
+                records.append(mlp_record(d_model, rows))
+                print(json.dumps(records[-1]), flush=True)
+    if "keras_llama" in FLAGS.sections:
+        for record in keras_llama_records():
+            records.append(record)
+            print(json.dumps(record), flush=True)
     print(json.dumps(records, indent=1))
     if FLAGS.out:
         with open(FLAGS.out, "w") as out_file:

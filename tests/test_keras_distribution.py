@@ -23,31 +23,30 @@ BATCH = 4
 STEPS = 3
 
 
-def llama(seed=1):
+TINY_DECODER = {
+    "vocabulary_size": VOCABULARY,
+    "num_layers": 2,
+    "num_query_heads": 4,
+    "num_key_value_heads": 4,
+    "hidden_dim": 16,
+    "intermediate_dim": 32,
+}
+
+
+def causal_lm(backbone_class, model_class, seed, **options):
     keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.LlamaBackbone(
-        vocabulary_size=VOCABULARY,
-        num_layers=2,
-        num_query_heads=4,
-        num_key_value_heads=4,
-        hidden_dim=16,
-        intermediate_dim=32,
-    )
-    return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    backbone = backbone_class(**TINY_DECODER, **options)
+    return model_class(backbone=backbone, preprocessor=None)
+
+
+def llama(seed=1):
+    return causal_lm(keras_hub.models.LlamaBackbone, keras_hub.models.LlamaCausalLM, seed)
 
 
 def gemma(seed=1):
-    keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=VOCABULARY,
-        num_layers=2,
-        num_query_heads=4,
-        num_key_value_heads=4,
-        hidden_dim=16,
-        intermediate_dim=32,
-        head_dim=4,
+    return causal_lm(
+        keras_hub.models.GemmaBackbone, keras_hub.models.GemmaCausalLM, seed, head_dim=4
     )
-    return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
 
 
 def token_batches():
@@ -162,6 +161,11 @@ def test_shard_on_a_model_with_loaded_weights_predicts_and_trains_as_unsharded(t
     compile_and_fit(reference, "adam")
     compile_and_fit(model, "adam")
     assert_same_weights(reference, model, 1e-4)
+    # Saved weights keep the unsharded layout: an unsharded model loads them.
+    model.save_weights(weights_file)
+    reloaded = llama()
+    reloaded.load_weights(weights_file)
+    assert_same_weights(reloaded, model, 0)
 
 
 def dense_then_conv(seed=2):
@@ -172,13 +176,21 @@ def dense_then_conv(seed=2):
     return keras.Model(inputs, outputs)
 
 
+def regression_data(rows, seed):
+    rng = np.random.default_rng(seed)
+    inputs = rng.normal(size=(rows, 6, 4)).astype("float32")
+    return inputs, rng.normal(size=(rows, 4, 4)).astype("float32")
+
+
+def fit_regression(model, data, batch_size):
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(*data, batch_size=batch_size, shuffle=False, verbose=0)
+
+
 def test_layout_for_a_layer_kind_not_sharded_warns_once_naming_it_and_trains_correctly():
-    rng = np.random.default_rng(1)
-    inputs = rng.normal(size=(8, 6, 4)).astype("float32")
-    targets = rng.normal(size=(8, 4, 4)).astype("float32")
+    data = regression_data(8, seed=1)
     reference = dense_then_conv()
-    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    reference.fit(inputs, targets, batch_size=4, shuffle=False, verbose=0)
+    fit_regression(reference, data, batch_size=4)
     layout_map = keras.distribution.LayoutMap(model_mesh(2))
     layout_map["dense/kernel"] = (None, "model")
     layout_map["conv/kernel"] = (None, None, "model")
@@ -190,24 +202,19 @@ def test_layout_for_a_layer_kind_not_sharded_warns_once_naming_it_and_trains_cor
     assert len(messages) == 1, messages
     assert "'conv/kernel'" in messages[0] and "Conv1D" in messages[0]
     assert [view.path for view in sharded_views(model)] == ["dense/kernel"]
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    model.fit(inputs, targets, batch_size=4, shuffle=False, verbose=0)
+    fit_regression(model, data, batch_size=4)
     assert_same_weights(reference, model, 1e-5)
 
 
 def test_data_parallel_scope_replicates_and_trains_to_one_device_weights():
-    rng = np.random.default_rng(2)
-    inputs = rng.normal(size=(16, 6, 4)).astype("float32")
-    targets = rng.normal(size=(16, 4, 4)).astype("float32")
+    data = regression_data(16, seed=2)
     reference = dense_then_conv()
-    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    reference.fit(inputs, targets, batch_size=8, shuffle=False, verbose=0)
+    fit_regression(reference, data, batch_size=8)
     distribution = keras.distribution.DataParallel(
         devices=keras.distribution.list_devices("cpu")[:2]
     )
     with distribution.scope():
         model = dense_then_conv()
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         assert model.distribute_strategy.num_replicas_in_sync == 2
-        model.fit(inputs, targets, batch_size=8, shuffle=False, verbose=0)
+        fit_regression(model, data, batch_size=8)
     assert_same_weights(reference, model, 1e-5)

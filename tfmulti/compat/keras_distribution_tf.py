@@ -25,7 +25,7 @@ from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.distribution import distribution_lib
 from keras.src.layers.layer import Layer
 
-from tfmulti.compat.keras_multi_worker import Fix, keras_version
+from tfmulti.compat.keras_multi_worker import Fix, apply_each, keras_version
 
 # Checked on Keras 3.15.1 (tests/test_compat_keras_distribution.py); raise after checking.
 FIRST_CHECKED_KERAS = (3, 10)
@@ -88,30 +88,23 @@ def _keep_tensor_layout(tensor, layout):
     return tensor
 
 
+def _checked_patch(name: str, owner, attribute: str, make_replacement: Callable) -> Fix:
+    return Fix(name, owner, attribute, make_replacement, FIRST_CHECKED_KERAS, FIRST_UNCHECKED_KERAS)
+
+
 PATCHES = (
-    Fix(
-        name="shard_layers_after_build",
-        owner=Layer,
-        attribute="_post_build",
-        make_replacement=_shard_after_build,
-        first_broken=FIRST_CHECKED_KERAS,
-        first_unchecked=FIRST_UNCHECKED_KERAS,
+    _checked_patch("shard_layers_after_build", Layer, "_post_build", _shard_after_build),
+    _checked_patch(
+        "data_parallel_on_mirrored_strategy",
+        distribution_lib.DataParallel,
+        "scope",
+        _data_parallel_on_mirrored_strategy,
     ),
-    Fix(
-        name="data_parallel_on_mirrored_strategy",
-        owner=distribution_lib.DataParallel,
-        attribute="scope",
-        make_replacement=_data_parallel_on_mirrored_strategy,
-        first_broken=FIRST_CHECKED_KERAS,
-        first_unchecked=FIRST_UNCHECKED_KERAS,
-    ),
-    Fix(
-        name="optimizer_state_beside_shards",
-        owner=TFOptimizer,
-        attribute="add_variable_from_reference",
-        make_replacement=_slots_on_variable_device,
-        first_broken=FIRST_CHECKED_KERAS,
-        first_unchecked=FIRST_UNCHECKED_KERAS,
+    _checked_patch(
+        "optimizer_state_beside_shards",
+        TFOptimizer,
+        "add_variable_from_reference",
+        _slots_on_variable_device,
     ),
 )
 
@@ -122,13 +115,8 @@ def apply_patches() -> list[str]:
     """Applies the patches the installed Keras takes (idempotent); returns their names."""
     if keras.backend.backend() != "tensorflow":
         return []
+    apply_each(PATCHES, _ORIGINALS)
     version = keras_version()
-    for patch in PATCHES:
-        if patch.name in _ORIGINALS or not patch.applies_to(version):
-            continue
-        original = getattr(patch.owner, patch.attribute)
-        _ORIGINALS[patch.name] = original
-        setattr(patch.owner, patch.attribute, patch.make_replacement(original))
     if FIRST_CHECKED_KERAS <= version < FIRST_UNCHECKED_KERAS and not hasattr(
         tensorflow_distribution_lib, "distribute_tensor"
     ):

@@ -144,14 +144,19 @@ def apply_fixes() -> list[str]:
     """Applies every fix the installed Keras needs (idempotent) and returns their names."""
     if keras.backend.backend() != "tensorflow":
         return []
+    apply_each(FIXES, _ORIGINALS)
+    return active_fix_names()
+
+
+def apply_each(fixes: tuple[Fix, ...], originals: dict[str, Callable]) -> None:
+    """Applies each of `fixes` the installed Keras takes, once, keeping originals by name."""
     version = keras_version()
-    for fix in FIXES:
-        if fix.name in _ORIGINALS or not fix.applies_to(version):
+    for fix in fixes:
+        if fix.name in originals or not fix.applies_to(version):
             continue
         original = getattr(fix.owner, fix.attribute)
-        _ORIGINALS[fix.name] = original
+        originals[fix.name] = original
         setattr(fix.owner, fix.attribute, fix.make_replacement(original))
-    return active_fix_names()
 
 
 def active_fix_names() -> list[str]:

@@ -25,7 +25,7 @@ from tfmulti.parallel.mesh_layout import (
     UnsupportedLayout,
     plan_for_layout,
 )
-from tfmulti.parallel.sharded_einsum import CONTRACTED, analyse_split, split_einsum
+from tfmulti.parallel.sharded_einsum import CONTRACTED, analyse_split, einsum, split_einsum
 from tfmulti.parallel.sharded_variable import ShardedVariable, split_variable
 from tfmulti.parallel.vocab_embedding import lookup_in_row_shard
 
@@ -104,28 +104,36 @@ def _shard_dense(layer, plans: dict) -> bool:
     if bias_plan is not None:
         layer.bias = split_variable(layer, bias, bias_plan)
         views.append(layer.bias)
-    # Bias and activation run on each output slice when both can (so a row-split layer can
-    # take the slices), else on the whole output.
-    per_shard = _is_elementwise(layer.activation) and (bias is None or bias_plan is not None)
+    # A split bias is added to each output slice, and an elementwise activation runs there
+    # too when no whole bias comes first: a row-split layer reading the output right away
+    # then takes the slices where they are. The rest runs on the whole output.
+    whole_bias = bias is not None and bias_plan is None
+    activate_per_shard = (
+        split.kind != CONTRACTED and _is_elementwise(layer.activation) and not whole_bias
+    )
 
     def shard_finish(index, outputs):
         if bias_plan is not None:
             outputs = outputs + layer.bias.shards[index]
-        return _activate(layer.activation, outputs)
+        return _activate(layer.activation, outputs) if activate_per_shard else outputs
 
     def finish(outputs):
-        if layer.bias is not None:
+        if whole_bias:
             outputs = ops.add(outputs, layer.bias)
-        return _activate(layer.activation, outputs)
+        return outputs if activate_per_shard else _activate(layer.activation, outputs)
+
+    needs_finish = whole_bias or not activate_per_shard
 
     def call(inputs, training=None):
         del training
-        if per_shard and split.kind != CONTRACTED:
-            return split_einsum(
-                equation, inputs, kernel_view.shards, kernel_plan.devices, split, shard_finish
-            )
         return split_einsum(
-            equation, inputs, kernel_view.shards, kernel_plan.devices, split, finish=finish
+            equation,
+            inputs,
+            kernel_view.shards,
+            kernel_plan.devices,
+            split,
+            shard_finish=shard_finish,
+            finish=finish if needs_finish else None,
         )
 
     _install(layer, call, views)
@@ -159,7 +167,7 @@ def _lookup(layer, table, plan: ShardPlan | None, ids):
 def _project(weight, plan: ShardPlan | None, equation: str, inputs):
     """`einsum(equation, inputs, weight)` from a whole weight or its shards."""
     if plan is None:
-        return ops.einsum(equation, inputs, weight)
+        return einsum(equation, inputs, weight)
     split = analyse_split(equation, plan.axis)
     return split_einsum(equation, inputs, weight.shards, plan.devices, split)
 
