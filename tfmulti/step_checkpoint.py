@@ -2,7 +2,7 @@
 
 Each checkpoint is two files in one directory, both written beside their final name
 and renamed into place: `step-<global step>.weights.h5` (weights and optimizer
-state, as `save_weights` writes them) and `step-<global step>.json` (the position in
+state: `training_state`, whatever the model exports) and `step-<global step>.json` (the position in
 the run, the running values of the epoch's metrics and every random seed state the
 model holds). `latest.json` names the newest; a checkpoint counts only once its JSON
 file exists, and that file is written after the weights, so a kill during a save
@@ -21,6 +21,7 @@ import keras
 import numpy as np
 
 from tfmulti.files import atomic_path, write_json_atomically
+from tfmulti.training_state import load_training_state, save_training_state
 
 LATEST_FILE = "latest.json"
 _STATE_PATTERN = re.compile(r"^step-(\d{9})\.json$")
@@ -122,7 +123,7 @@ class StepCheckpoint(keras.callbacks.Callback):
         stem = f"step-{global_step:09d}"
         weights_path = os.path.join(self.directory, f"{stem}.weights.h5")
         with atomic_path(weights_path) as temporary:
-            self.model.save_weights(temporary)
+            save_training_state(self.model, temporary)
         state = {
             "epoch": epoch,
             "step": step,
@@ -213,7 +214,7 @@ def restore(model: keras.Model, point: ResumePoint) -> None:
     if optimizer is not None and not optimizer.built:
         order = getattr(model, "optimizer_variable_order", None)
         optimizer.build(order() if order else model.trainable_variables)
-    model.load_weights(point.weights_path)
+    load_training_state(model, point.weights_path)
     _assign(_seed_state_variables(model), point.state.get("seeds", {}))
 
 
