@@ -198,11 +198,11 @@ def test_layout_for_a_layer_kind_not_sharded_warns_once_naming_it_and_trains_cor
         warnings.simplefilter("always")
         with keras.distribution.ModelParallel(layout_map=layout_map).scope():
             model = dense_then_conv()
+            fit_regression(model, data, batch_size=4)  # as Keras' guide: fit in the scope
     messages = [str(w.message) for w in caught if w.category is LayoutNotHonouredWarning]
     assert len(messages) == 1, messages
     assert "'conv/kernel'" in messages[0] and "Conv1D" in messages[0]
     assert [view.path for view in sharded_views(model)] == ["dense/kernel"]
-    fit_regression(model, data, batch_size=4)
     assert_same_weights(reference, model, 1e-5)
 
 
@@ -218,3 +218,14 @@ def test_data_parallel_scope_replicates_and_trains_to_one_device_weights():
         assert model.distribute_strategy.num_replicas_in_sync == 2
         fit_regression(model, data, batch_size=8)
     assert_same_weights(reference, model, 1e-5)
+
+
+def test_a_data_by_model_mesh_is_refused_in_one_line_naming_it():
+    devices = keras.distribution.list_devices("cpu")[:4]
+    mesh = keras.distribution.DeviceMesh((2, 2), ("batch", "model"), devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["dense/kernel"] = (None, "model")
+    with keras.distribution.ModelParallel(layout_map=layout_map).scope():
+        with pytest.raises(ValueError, match=r"Received: mesh shape=\(2, 2\)") as error:
+            dense_then_conv()
+    assert "\n" not in str(error.value)
