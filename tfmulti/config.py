@@ -54,6 +54,7 @@ class TrainConfig:
     placement: str | None = None
     mesh: str | None = None
     tensor_parallel: int = 1
+    layout_map: str | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

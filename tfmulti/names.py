@@ -6,7 +6,10 @@ The modules that implement each name check against these tuples in tests.
 STRATEGY_NAMES = ("one_device", "mirrored", "multi_worker")
 STAGED_STRATEGY_NAMES = ("pipeline", "model_parallel")
 HYBRID_STRATEGY_NAME = "hybrid"
-TRAIN_STRATEGY_NAMES = STRATEGY_NAMES + STAGED_STRATEGY_NAMES + (HYBRID_STRATEGY_NAME,)
+KERAS_MODEL_PARALLEL_NAME = "keras_model_parallel"
+TRAIN_STRATEGY_NAMES = (
+    STRATEGY_NAMES + STAGED_STRATEGY_NAMES + (HYBRID_STRATEGY_NAME, KERAS_MODEL_PARALLEL_NAME)
+)
 ALL_REDUCE_NAMES = ("auto", "nccl", "hierarchical_copy", "reduce_to_one_device")
 MODEL_NAMES = ("mlp", "convnet", "resnet", "transformer")
 DATASET_NAMES = ("synthetic", "digits", "npz", "tfrecord", "tokens")

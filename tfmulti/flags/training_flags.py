@@ -10,7 +10,13 @@ from absl import flags
 from tfmulti.config import DTYPE_POLICIES, OPTIMIZER_NAMES, TrainConfig
 from tfmulti.flags.help import flag_group
 from tfmulti.launcher import VIRTUAL_DEVICES_ENV
-from tfmulti.names import ALL_REDUCE_NAMES, DATASET_NAMES, MODEL_NAMES, TRAIN_STRATEGY_NAMES
+from tfmulti.names import (
+    ALL_REDUCE_NAMES,
+    DATASET_NAMES,
+    KERAS_MODEL_PARALLEL_NAME,
+    MODEL_NAMES,
+    TRAIN_STRATEGY_NAMES,
+)
 from tfmulti.pipeline.schedules import SCHEDULE_NAMES
 from tfmulti.user_code import is_function_reference
 
@@ -241,6 +247,13 @@ def define_pipeline_flags() -> None:
         lower_bound=1,
     )
     flags.DEFINE_string(
+        "layout_map",
+        None,
+        "With --strategy=keras_model_parallel: package.module:function taking a "
+        "keras.distribution.DeviceMesh of shape (1, devices), axes (batch, model), and "
+        "returning a keras.distribution.LayoutMap (e.g. a KerasHub backbone's get_layout_map).",
+    )
+    flags.DEFINE_string(
         "mesh",
         None,
         "Device mesh of --strategy=hybrid, e.g. data=2,pipe=2: data x pipe = devices per "
@@ -310,6 +323,16 @@ def define_train_flags() -> None:
     define_loop_flags()
     define_output_flags()
     flags.register_multi_flags_validator(
+        ["strategy", "layout_map", "jit_compile"],
+        lambda values: (
+            (values["strategy"] == KERAS_MODEL_PARALLEL_NAME)
+            == (values["layout_map"] is not None and is_function_reference(values["layout_map"]))
+            and not (values["layout_map"] and values["jit_compile"])
+        ),
+        message="--strategy=keras_model_parallel needs --layout_map=package.module:function, "
+        "--layout_map goes only with it, and not with --jit_compile",
+    )
+    flags.register_multi_flags_validator(
         ["tensor_parallel", "strategy", "model", "jit_compile"],
         lambda values: (
             values["tensor_parallel"] == 1
@@ -368,4 +391,5 @@ def config_from_flags() -> TrainConfig:
         placement=FLAGS.placement,
         mesh=FLAGS.mesh,
         tensor_parallel=FLAGS.tensor_parallel,
+        layout_map=FLAGS.layout_map,
     )

@@ -12,6 +12,7 @@ Example:
 from tfmulti.spread.base import BuildContext, DeviceSpread, Spread, check_batch_splits
 from tfmulti.spread.data_parallel import DataParallel, MultiWorkerDataParallel
 from tfmulti.spread.hybrid import Hybrid
+from tfmulti.spread.keras_model_parallel import KerasModelParallel
 from tfmulti.spread.model_parallel import ModelParallel
 from tfmulti.spread.model_source import ModelSource, default_loss_and_metrics, model_source
 from tfmulti.spread.pipeline import Pipeline
@@ -25,6 +26,7 @@ SPREADS: dict[str, Spread] = {
     "pipeline": Pipeline(),
     "model_parallel": ModelParallel(),
     "hybrid": Hybrid(),
+    "keras_model_parallel": KerasModelParallel(),
 }
 
 
@@ -46,6 +48,7 @@ __all__ = [
     "DataParallel",
     "DeviceSpread",
     "Hybrid",
+    "KerasModelParallel",
     "ModelParallel",
     "ModelSource",
     "MultiWorkerDataParallel",

@@ -1,0 +1,79 @@
+"""`scripts/train.py --strategy=keras_model_parallel --layout_map=module:function` trains the
+model sharded by the user's keras.distribution layout map exactly as on one device."""
+
+import os
+
+import pytest
+from script_runner import TWO_EPOCHS, assert_same_training, last_line, read_metrics, run_script
+
+# The user's layout map: Megatron's column/row pairs over the reference MLP's blocks.
+LAYOUT_MODULE = """
+import keras
+
+
+def mlp_layout_map(device_mesh):
+    layout_map = keras.distribution.LayoutMap(device_mesh)
+    layout_map["mlp_hidden_[02]/.*kernel"] = (None, "model")
+    layout_map["mlp_hidden_[02]/.*bias"] = ("model",)
+    layout_map["mlp_hidden_1/.*kernel"] = ("model", None)
+    layout_map["mlp_head/.*kernel"] = ("model", None)
+    return layout_map
+
+
+def not_a_layout_map(device_mesh):
+    return {"mlp_head/.*kernel": ("model", None)}
+"""
+
+
+@pytest.fixture
+def layout_env(tmp_path):
+    directory = tmp_path / "user_code"
+    directory.mkdir()
+    (directory / "user_layouts.py").write_text(LAYOUT_MODULE)
+    return {"PYTHONPATH": os.pathsep.join([str(directory), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_keras_model_parallel_script_trains_like_one_device(
+    tmp_path, layout_env, one_device_metrics
+):
+    model_dir = str(tmp_path / "run")
+    result = run_script(
+        "train.py",
+        *TWO_EPOCHS,
+        "--strategy=keras_model_parallel",
+        "--layout_map=user_layouts:mlp_layout_map",
+        "--virtual_devices=2",
+        f"--model_dir={model_dir}",
+        env=layout_env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "keras.distribution: 6 weights sharded over 2 devices" in result.stderr
+    assert_same_training(read_metrics(model_dir), one_device_metrics)
+
+
+@pytest.mark.parametrize(
+    "args, code, expected",
+    [
+        (["--strategy=keras_model_parallel"], 2, "needs --layout_map=package.module:function"),
+        (["--strategy=mirrored", "--layout_map=user_layouts:mlp_layout_map"], 2, "goes only"),
+        (
+            ["--strategy=keras_model_parallel", "--layout_map=user_layouts:not_a_layout_map"],
+            1,
+            "Received: dict from --layout_map=user_layouts:not_a_layout_map",
+        ),
+    ],
+    ids=["missing", "without-strategy", "returns-a-dict"],
+)
+def test_bad_layout_map_exits_with_one_line(tmp_path, layout_env, args, code, expected):
+    model_dir = str(tmp_path / "run")
+    result = run_script(
+        "train.py",
+        *TWO_EPOCHS,
+        *args,
+        "--virtual_devices=2",
+        f"--model_dir={model_dir}",
+        env=layout_env,
+    )
+    assert result.returncode == code, result.stderr[-3000:]
+    assert expected in last_line(result.stderr)
+    assert "Traceback" not in result.stderr
