@@ -229,3 +229,19 @@ def test_a_data_by_model_mesh_is_refused_in_one_line_naming_it():
         with pytest.raises(ValueError, match=r"Received: mesh shape=\(2, 2\)") as error:
             dense_then_conv()
     assert "\n" not in str(error.value)
+
+
+def test_model_built_under_model_parallel_loads_unsharded_weights(tmp_path):
+    trained = llama(seed=5)
+    compile_and_fit(trained, "sgd")
+    weights_file = str(tmp_path / "trained.weights.h5")
+    trained.save_weights(weights_file)
+    layout_map = keras_hub.models.LlamaBackbone.get_layout_map(model_mesh(2))
+    with keras.distribution.ModelParallel(layout_map=layout_map).scope():
+        model = llama()
+        model.load_weights(weights_file)  # as KerasHub's from_preset does
+    assert_same_weights(trained, model, 0)
+    inputs, _ = token_batches()
+    np.testing.assert_allclose(
+        model.predict(inputs, verbose=0), trained.predict(inputs, verbose=0), atol=1e-5
+    )

@@ -136,6 +136,23 @@ def own_variables(layer: keras.layers.Layer) -> list:
     return list(layer._trainable_variables) + list(layer._non_trainable_variables)
 
 
+def load_in_unsplit_layout(layer: keras.layers.Layer, num_weights: int) -> None:
+    """Makes `layer` accept saved weights in its unsplit layout: `num_weights` of them.
+
+    Keras' layers check a weights file against the variables they track, which are the
+    shards now; their own loading assigns through the views, which split the values.
+    """
+
+    def check_load_own_variables(store):
+        if len(store.keys()) != num_weights:
+            raise ValueError(
+                f"Layer '{layer.name}' expected {num_weights} weights in the unsharded layout. "
+                f"Received: {len(store.keys())} weights"
+            )
+
+    object.__setattr__(layer, "_check_load_own_variables", check_load_own_variables)
+
+
 def replace_own_variable(layer: keras.layers.Layer, variable, replacements: Sequence) -> None:
     """Puts `replacements` where `layer` tracked its own `variable`, keeping the weight order."""
     tracker = layer._tracker

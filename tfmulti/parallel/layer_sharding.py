@@ -16,7 +16,7 @@ from collections.abc import Callable
 import keras
 from keras import ops
 
-from tfmulti.compat.keras_distribution_tf import own_variables
+from tfmulti.compat.keras_distribution_tf import load_in_unsplit_layout, own_variables
 from tfmulti.parallel.collectives import fan_out, gather, reduce_partial_sums
 from tfmulti.parallel.device_compute import run_on_device
 from tfmulti.parallel.mesh_layout import (
@@ -265,7 +265,10 @@ def shard_layer(layer: keras.layers.Layer, layout_of: Callable, device_mesh) -> 
                 f"{type(layer).__name__} '{layer.name}' runs whole on one device",
             )
         return False
+    num_weights = len(own_variables(layer))
     sharded = sharder(layer, plans)
+    if sharded:
+        load_in_unsplit_layout(layer, num_weights)
     for variable_id in plans:
         warn_not_honoured(variables[variable_id], f"{type(layer).__name__} does not split it")
     return sharded
