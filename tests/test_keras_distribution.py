@@ -7,6 +7,7 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfmulti  # noqa: F401  (hooks keras.distribution into the TensorFlow backend)
 from tfmulti.parallel import (
@@ -206,17 +207,27 @@ def test_layout_for_a_layer_kind_not_sharded_warns_once_naming_it_and_trains_cor
     assert_same_weights(reference, model, 1e-5)
 
 
-def test_data_parallel_scope_replicates_and_trains_to_one_device_weights():
+@pytest.mark.parametrize("how", ["scope", "set_distribution"])
+def test_data_parallel_replicates_and_trains_to_one_device_weights(how):
     data = regression_data(16, seed=2)
     reference = dense_then_conv()
     fit_regression(reference, data, batch_size=8)
     distribution = keras.distribution.DataParallel(
         devices=keras.distribution.list_devices("cpu")[:2]
     )
-    with distribution.scope():
-        model = dense_then_conv()
-        assert model.distribute_strategy.num_replicas_in_sync == 2
-        fit_regression(model, data, batch_size=8)
+    if how == "scope":
+        with distribution.scope():
+            model = dense_then_conv()
+            fit_regression(model, data, batch_size=8)
+    else:
+        keras.distribution.set_distribution(distribution)
+        try:
+            model = dense_then_conv()
+            fit_regression(model, data, batch_size=8)
+        finally:
+            keras.distribution.set_distribution(None)
+    assert not tf.distribute.has_strategy()
+    assert model.distribute_strategy.num_replicas_in_sync == 2
     assert_same_weights(reference, model, 1e-5)
 
 

@@ -5,8 +5,9 @@ Keras' TensorFlow backend leaves `keras.distribution` a stub: a model built unde
 changes nothing. The JAX backend lays each variable out when it is created
 (`Variable._initialize_layout`). Here the same happens one step later, after each layer's
 `build`: `tfmulti.parallel.keras_distribution` splits the variables its layout names.
-`DataParallel.scope()` also enters a `tf.distribute.MirroredStrategy` over the mesh's
-devices, which Keras' TensorFlow trainer already knows how to train with.
+Setting a `DataParallel` distribution (`set_distribution`, or its `scope()`) also sets a
+`tf.distribute.MirroredStrategy` over the mesh's devices, which Keras' TensorFlow trainer
+already knows how to train with.
 
 Every touch of Keras internals lives in this module; the patches apply to the Keras
 versions checked by tests/test_compat_keras_distribution.py.
@@ -14,11 +15,11 @@ versions checked by tests/test_compat_keras_distribution.py.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Sequence
 
 import keras
+import keras.distribution as public_distribution
 import tensorflow as tf
 from keras.src.backend.tensorflow import distribution_lib as tensorflow_distribution_lib
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
@@ -46,17 +47,15 @@ def _shard_after_build(original: Callable) -> Callable:
     return _post_build
 
 
-def _data_parallel_on_mirrored_strategy(original: Callable) -> Callable:
+def _strategy_follows_distribution(original: Callable) -> Callable:
     @functools.wraps(original)
-    @contextlib.contextmanager
-    def scope(self):
+    def set_distribution(value):
+        original(value)
         from tfmulti.parallel import keras_distribution
 
-        strategy = keras_distribution.strategy_for_data_parallel(self)
-        with original(self), strategy.scope() if strategy else contextlib.nullcontext():
-            yield
+        keras_distribution.follow_data_parallel(value)
 
-    return scope
+    return set_distribution
 
 
 # Marks a variable whose optimizer state must live on the variable's own device.
@@ -94,11 +93,18 @@ def _checked_patch(name: str, owner, attribute: str, make_replacement: Callable)
 
 PATCHES = (
     _checked_patch("shard_layers_after_build", Layer, "_post_build", _shard_after_build),
+    # `Distribution.scope()` calls the module's function; users call the public one.
     _checked_patch(
         "data_parallel_on_mirrored_strategy",
-        distribution_lib.DataParallel,
-        "scope",
-        _data_parallel_on_mirrored_strategy,
+        distribution_lib,
+        "set_distribution",
+        _strategy_follows_distribution,
+    ),
+    _checked_patch(
+        "public_set_distribution_follows_too",
+        public_distribution,
+        "set_distribution",
+        _strategy_follows_distribution,
     ),
     _checked_patch(
         "optimizer_state_beside_shards",

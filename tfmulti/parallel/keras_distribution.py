@@ -3,7 +3,8 @@
 Under `keras.distribution.ModelParallel(...).scope()` (or `set_distribution`), each layer
 built is split by `layer_sharding.shard_layer` right after its `build` (the hook lives in
 `tfmulti.compat.keras_distribution_tf`); `shard` does the same for a model built
-earlier. `DataParallel` runs on a `tf.distribute.MirroredStrategy` over the mesh's devices.
+earlier. `DataParallel` runs on a `tf.distribute.MirroredStrategy` over the mesh's devices
+(`follow_data_parallel`).
 
 Example:
     >>> mesh = keras.distribution.DeviceMesh((1, 4), ("batch", "model"), devices)
@@ -23,6 +24,8 @@ from tfmulti.parallel.mesh_layout import check_single_model_axis, mesh_device_na
 from tfmulti.strategy import cross_device_ops
 
 _STRATEGIES: dict[int, tuple] = {}
+# The strategy set globally for the current DataParallel distribution, if any.
+_FOLLOWED: list = [None]
 
 
 def shard_under_current_distribution(layer: keras.layers.Layer) -> bool:
@@ -102,3 +105,19 @@ def strategy_for_data_parallel(distribution) -> tf.distribute.Strategy | None:
         # The distribution is kept with its strategy, so its id is never reused meanwhile.
         _STRATEGIES[key] = (distribution, strategy)
     return _STRATEGIES[key][1]
+
+
+def follow_data_parallel(distribution) -> None:
+    """Makes the global tf.distribute strategy follow the Keras distribution just set.
+
+    A `DataParallel` over several devices sets its `MirroredStrategy` (models built then
+    mirror their variables, and `fit` splits each batch); anything else clears a strategy
+    set here before. A strategy the user set is left alone.
+    """
+    wanted = None
+    if isinstance(distribution, keras.distribution.DataParallel):
+        wanted = strategy_for_data_parallel(distribution)
+    if wanted is _FOLLOWED[0]:
+        return
+    tf.distribute.experimental_set_strategy(wanted)
+    _FOLLOWED[0] = wanted
