@@ -177,10 +177,10 @@ def dense_then_conv(seed=2):
     return keras.Model(inputs, outputs)
 
 
-def regression_data(rows, seed):
+def regression_data(rows, seed, target_steps=4):
     rng = np.random.default_rng(seed)
     inputs = rng.normal(size=(rows, 6, 4)).astype("float32")
-    return inputs, rng.normal(size=(rows, 4, 4)).astype("float32")
+    return inputs, rng.normal(size=(rows, target_steps, 4)).astype("float32")
 
 
 def fit_regression(model, data, batch_size):
@@ -256,3 +256,35 @@ def test_model_built_under_model_parallel_loads_unsharded_weights(tmp_path):
     np.testing.assert_allclose(
         model.predict(inputs, verbose=0), trained.predict(inputs, verbose=0), atol=1e-5
     )
+
+
+class LazyBlock(keras.layers.Layer):
+    """Builds its Dense only when first called, inside the model's symbolic call."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = keras.layers.Dense(8, activation="relu", name="inner")
+
+    def call(self, inputs):
+        return self.inner(inputs)
+
+
+def lazy_block_model(seed=3):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6, 4))
+    hidden = LazyBlock(name="block")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(4, name="head")(hidden))
+
+
+def test_layer_built_inside_a_symbolic_call_is_sharded_once_its_variables_exist():
+    data = regression_data(8, seed=3, target_steps=6)
+    reference = lazy_block_model()
+    fit_regression(reference, data, batch_size=4)
+    layout_map = keras.distribution.LayoutMap(model_mesh(2))
+    layout_map["block/inner/kernel"] = (None, "model")
+    layout_map["head/kernel"] = ("model", None)
+    with keras.distribution.ModelParallel(layout_map=layout_map).scope():
+        model = lazy_block_model()
+    assert [view.path for view in sharded_views(model)] == ["block/inner/kernel", "head/kernel"]
+    fit_regression(model, data, batch_size=4)
+    assert_same_weights(reference, model, 1e-5)

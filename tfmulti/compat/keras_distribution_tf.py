@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 import keras
 import keras.distribution as public_distribution
 import tensorflow as tf
+from keras.src.backend.common import variables as common_variables
+from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.tensorflow import distribution_lib as tensorflow_distribution_lib
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.distribution import distribution_lib
@@ -56,6 +58,22 @@ def _strategy_follows_distribution(original: Callable) -> Callable:
         keras_distribution.follow_data_parallel(value)
 
     return set_distribution
+
+
+def _then_shard_deferred_layers(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def initialize_all_variables():
+        original()
+        from tfmulti.parallel import keras_distribution
+
+        keras_distribution.shard_deferred_layers()
+
+    return initialize_all_variables
+
+
+def variables_deferred() -> bool:
+    """Whether variables created now only get values later (inside a symbolic call)."""
+    return in_stateless_scope()
 
 
 # Marks a variable whose optimizer state must live on the variable's own device.
@@ -105,6 +123,14 @@ PATCHES = (
         public_distribution,
         "set_distribution",
         _strategy_follows_distribution,
+    ),
+    # A layer built inside an enclosing layer's symbolic call gets its variable values
+    # when the call's stateless scope ends; it is split then.
+    _checked_patch(
+        "shard_layers_built_symbolically",
+        common_variables,
+        "initialize_all_variables",
+        _then_shard_deferred_layers,
     ),
     _checked_patch(
         "optimizer_state_beside_shards",

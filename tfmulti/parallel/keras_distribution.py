@@ -19,6 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmulti.compat import keras_distribution_tf
 from tfmulti.parallel.layer_sharding import shard_layer
 from tfmulti.parallel.mesh_layout import check_single_model_axis, mesh_device_names
 from tfmulti.strategy import cross_device_ops
@@ -26,16 +27,33 @@ from tfmulti.strategy import cross_device_ops
 _STRATEGIES: dict[int, tuple] = {}
 # The strategy set globally for the current DataParallel distribution, if any.
 _FOLLOWED: list = [None]
+# Layers built inside a symbolic call, with the distribution they were built under.
+_DEFERRED: list[tuple] = []
 
 
 def shard_under_current_distribution(layer: keras.layers.Layer) -> bool:
     """Splits a just-built `layer`'s weights as the current `ModelParallel` says.
 
     Returns whether any weight was split; False outside a `ModelParallel` distribution.
+    A layer built inside a symbolic call has no variable values yet: it is split once
+    Keras creates them (`shard_deferred_layers`).
     """
     distribution = keras.distribution.distribution()
     if not isinstance(distribution, keras.distribution.ModelParallel):
         return False
+    if keras_distribution_tf.variables_deferred():
+        _DEFERRED.append((layer, distribution))
+        return False
+    return _shard_with(layer, distribution)
+
+
+def shard_deferred_layers() -> None:
+    """Splits the layers built while their variables were deferred, now that they exist."""
+    while _DEFERRED:
+        _shard_with(*_DEFERRED.pop(0))
+
+
+def _shard_with(layer: keras.layers.Layer, distribution) -> bool:
     device_mesh = distribution.device_mesh
     check_single_model_axis(device_mesh, distribution.batch_dim_name)
     return shard_layer(layer, distribution.get_variable_layout, device_mesh)
@@ -47,8 +65,8 @@ def shard(
     """Moves a built model's weights into shards on devices as `layout_map` says.
 
     The values are kept (loaded weights stay loaded); weights the map does not name, and
-    layers other than Dense, EinsumDense, Embedding and ReversibleEmbedding, stay whole on
-    the mesh's first device (the latter with a `LayoutNotHonouredWarning`). Call it before
+    layers other than Dense, EinsumDense, Embedding and ReversibleEmbedding, stay whole
+    where they are (the latter with a `LayoutNotHonouredWarning`). Call it before
     training: an optimizer that already holds state for the whole weights is refused.
 
     Args:

@@ -54,11 +54,6 @@ def mesh_device_names(device_mesh) -> np.ndarray:
     return np.array(names, dtype=object).reshape(device_mesh.devices.shape)
 
 
-def home_device(device_mesh) -> str:
-    """The mesh's first device: whole (replicated) variables and layer inputs live there."""
-    return mesh_device_names(device_mesh).flat[0]
-
-
 def check_single_model_axis(device_mesh, batch_dim_name: str | None) -> None:
     """Raises ValueError unless at most one mesh axis, not the batch axis, has size > 1.
 
