@@ -223,7 +223,7 @@ def test_copies_start_from_replica_zero_weights_even_from_unseeded_layers():
     [
         ("data=2,pipe=2", r"needs data x pipe x tensor = 4 devices, but 1 worker\(s\) x 6"),
         ("data=3,pipe=2,tensor=1,pipe=1", "names axis 'pipe' twice"),
-        ("data=3,pipe=1,tensor=2", r"does not support yet\. Received: tensor=2; use tensor=1"),
+        ("data=3,pipe=1,tensor=2", r"needs a model built from split layers .*use tensor=1"),
     ],
 )
 def test_a_mesh_that_does_not_fit_the_devices_gives_one_clear_error(mesh_text, message):

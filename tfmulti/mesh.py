@@ -106,14 +106,33 @@ class DeviceMesh:
             MeshError: the devices do not fit the mesh, or tensor > 1 (a stage then has
                 several devices: use `local_device_index`).
         """
-        self.check_fits(len(local_devices), num_workers)
         if self.tensor != 1:
             raise MeshError(
                 f"replica_devices gives one device per stage, so it needs tensor=1. "
-                f"Received: mesh={self}; use local_device_index for tensor shards."
+                f"Received: mesh={self}; use stage_device_groups for tensor shards."
             )
+        groups = self.stage_device_groups(local_devices, num_workers)
+        return [[group[0] for group in replica] for replica in groups]
+
+    def stage_device_groups(
+        self, local_devices: list[str], num_workers: int = 1
+    ) -> list[list[list[str]]]:
+        """Splits this worker's devices into, per local replica and pipeline stage, the
+        `tensor` devices that stage's layers are split over.
+
+        Example:
+            >>> parse_mesh("data=1,pipe=2,tensor=2").stage_device_groups(["a", "b", "c", "d"])
+            [[['a', 'b'], ['c', 'd']]]
+        """
+        self.check_fits(len(local_devices), num_workers)
         return [
-            [local_devices[self.local_device_index(replica, stage)] for stage in range(self.pipe)]
+            [
+                [
+                    local_devices[self.local_device_index(replica, stage, rank)]
+                    for rank in range(self.tensor)
+                ]
+                for stage in range(self.pipe)
+            ]
             for replica in range(self.local_replicas(num_workers))
         ]
 

@@ -76,8 +76,10 @@ def build_hybrid_model(
     cluster: ClusterInfo | None = None,
     communication: str = "auto",
     collective_timeout: float | None = None,
+    make_split_blocks: Callable[[list[str]], Sequence[keras.layers.Layer]] | None = None,
 ) -> HybridPipelineModel:
-    """Builds a `HybridPipelineModel`: pipe x chunks stages per replica, data replicas.
+    """Builds a `HybridPipelineModel`: pipe x chunks stages per replica, data replicas,
+    and with tensor > 1 each stage's layers split over its group of tensor devices.
 
     Across workers, build `tfmulti.cluster.build_multi_worker_strategy(cluster, ...)` first
     (before any other TensorFlow work): it starts the collective runtime the gradient sums
@@ -97,16 +99,21 @@ def build_hybrid_model(
         cluster: the cluster when data replicas span workers; None on one host.
         communication: collective implementation across workers: "auto", "ring", "nccl".
         collective_timeout: seconds before a stuck cross-worker sum fails; None waits.
+        make_split_blocks: for tensor > 1: returns the same blocks with their layers split
+            over the given devices (e.g. the reference Transformer's
+            `tensor_parallel_devices`); each stage takes its own blocks from a call with
+            its group of devices.
 
     Raises:
-        MeshError: the mesh does not fit the devices, or asks for tensor > 1.
+        MeshError: the mesh does not fit the devices, or asks for tensor > 1 without
+            `make_split_blocks` or with chunks > 1.
 
     Example:
         >>> model = build_hybrid_model(
         ...     lambda: registry.build_blocks("mlp", (64,), 10, seed=0), "data=2,pipe=2",
         ...     num_microbatches=4, schedule="zb_h1")
     """
-    mesh, replica_devices, collectives = _hybrid_layout(
+    mesh, groups, collectives = _hybrid_layout(
         mesh, devices, cluster, communication, collective_timeout
     )
     num_stages = mesh.pipe * chunks
@@ -118,14 +125,52 @@ def build_hybrid_model(
             f"{num_stages - 1} boundaries. Received: partition_boundaries="
             f"{list(partition_boundaries)}"
         )
+    replica_devices = [[group[0] for group in replica] for replica in groups]
+    if mesh.tensor == 1:
+        return HybridPipelineModel(
+            lambda: stages_from_blocks(make_blocks(), partition_boundaries),
+            replica_devices,
+            num_microbatches,
+            schedule,
+            remat=remat,
+            worker_collectives=collectives,
+        )
+    _check_tensor_split(mesh, make_split_blocks, chunks)
+    made: list[PipelineModel] = []
+
+    def make_pipeline(stage_devices: list[str]) -> PipelineModel:
+        # Stage s of this replica: the blocks of stage s, split over that stage's group.
+        stages = [
+            stages_from_blocks(make_split_blocks(group), partition_boundaries)[stage]
+            for stage, group in enumerate(groups[len(made)])
+        ]
+        pipeline = PipelineModel(stages, stage_devices, num_microbatches, schedule, remat)
+        made.append(pipeline)
+        return pipeline
+
     return HybridPipelineModel(
-        lambda: stages_from_blocks(make_blocks(), partition_boundaries),
+        None,
         replica_devices,
         num_microbatches,
         schedule,
         remat=remat,
         worker_collectives=collectives,
+        make_pipeline=make_pipeline,
     )
+
+
+def _check_tensor_split(mesh: DeviceMesh, make_split_blocks, chunks: int) -> None:
+    if make_split_blocks is None:
+        raise MeshError(
+            f"Mesh {mesh} splits each stage's layers over tensor={mesh.tensor} devices, which "
+            "needs a model built from split layers (the reference transformer). Received: a "
+            "model without them; use tensor=1."
+        )
+    if chunks > 1:
+        raise MeshError(
+            f"Mesh {mesh} with tensor > 1 runs one stage per device group. Received: "
+            f"chunks={chunks}; use chunks=1 (--chunks) or tensor=1."
+        )
 
 
 def build_hybrid_model_from_model(
@@ -152,9 +197,12 @@ def build_hybrid_model_from_model(
     Example:
         >>> hybrid = build_hybrid_model_from_model(model, "data=2,pipe=2", 4, "1f1b")
     """
-    mesh, replica_devices, collectives = _hybrid_layout(
+    mesh, groups, collectives = _hybrid_layout(
         mesh, devices, cluster, communication, collective_timeout
     )
+    if mesh.tensor > 1:
+        _check_tensor_split(mesh, None, chunks)  # a whole model has no split layers
+    replica_devices = [[group[0] for group in replica] for replica in groups]
     made: list[PipelineModel] = []
 
     def make_pipeline(devices_of_replica: list[str]) -> PipelineModel:
@@ -206,20 +254,16 @@ def _hybrid_layout(
     cluster: ClusterInfo | None,
     communication: str,
     collective_timeout: float | None,
-) -> tuple[DeviceMesh, list[list[str]], WorkerCollectives | None]:
-    """The mesh, each local replica's devices, and the collectives across workers."""
+) -> tuple[DeviceMesh, list[list[list[str]]], WorkerCollectives | None]:
+    """The mesh, each local replica's stage device groups (`DeviceMesh.stage_device_groups`),
+    and the collectives across workers."""
     mesh = parse_mesh(mesh) if isinstance(mesh, str) else mesh
-    if mesh.tensor > 1:
-        raise MeshError(
-            f"Mesh {mesh} asks for tensor parallelism, which hybrid training does not "
-            f"support yet. Received: tensor={mesh.tensor}; use tensor=1."
-        )
     devices = list(devices) if devices is not None else local_device_names(cluster)
     num_workers = cluster.num_workers if cluster is not None else 1
-    replica_devices = mesh.replica_devices(devices, num_workers)
+    groups = mesh.stage_device_groups(devices, num_workers)
     collectives = None
     if num_workers > 1:
         collectives = WorkerCollectives(
             num_workers, cluster.task_index, communication, collective_timeout
         )
-    return mesh, replica_devices, collectives
+    return mesh, groups, collectives

@@ -13,6 +13,27 @@ from tfmulti.parallel.communication import CommunicationBytes
 from tfmulti.parallel.shard_devices import resolve_shard_devices
 
 
+def pin_deferred_initialization(variable: keras.Variable, device: str) -> keras.Variable:
+    """Makes `variable` be created on `device` even if Keras defers its creation.
+
+    A layer built while an enclosing layer is called symbolically (Keras'
+    `compute_output_spec` runs inside a stateless scope) gets variables whose values are
+    made later, when that scope ends, under whatever device scope is active then: a split
+    layer's shards would all land on the enclosing stage's device. An already created
+    variable is left as it is.
+    """
+    if getattr(variable, "_value", True) is not None:
+        return variable
+    initialize = variable._deferred_initialize
+
+    def initialize_on_device():
+        with tf.device(device):
+            initialize()
+
+    variable._deferred_initialize = initialize_on_device
+    return variable
+
+
 @dataclasses.dataclass
 class ShardedWeight:
     """One weight of the unsplit layer, held as K variables split along `axis`."""
@@ -74,20 +95,20 @@ class TensorParallelLayer(keras.layers.Layer):
             zip(self.devices, np.split(full_value, self.num_shards, axis), strict=True)
         ):
             with tf.device(device):
-                shards.append(
-                    self.add_weight(
-                        name=f"{name}_shard_{index}",
-                        shape=piece.shape,
-                        initializer=lambda shape, dtype, piece=piece: keras.ops.cast(piece, dtype),
-                    )
+                shard = self.add_weight(
+                    name=f"{name}_shard_{index}",
+                    shape=piece.shape,
+                    initializer=lambda shape, dtype, piece=piece: keras.ops.cast(piece, dtype),
                 )
+            shards.append(pin_deferred_initialization(shard, device))
         self.sharded_weights.append(ShardedWeight(shards, axis))
         return shards
 
     def add_home_weight(self, name: str, shape, initializer) -> keras.Variable:
         """Creates an unsplit weight on the home device."""
         with tf.device(self.devices[0]):
-            return self.add_weight(name=name, shape=shape, initializer=initializer)
+            weight = self.add_weight(name=name, shape=shape, initializer=initializer)
+        return pin_deferred_initialization(weight, self.devices[0])
 
     def get_unsplit_weights(self) -> list[np.ndarray]:
         """Returns the weights in the unsplit layer's layout and order."""

@@ -75,13 +75,23 @@ def build_stages_on_devices(
 
 
 def owned_variables(stages: Sequence[keras.layers.Layer]) -> list[list]:
-    """Per stage, its variables that no earlier stage holds: a weight tied between stages
-    (a shared embedding) lives with the first stage that uses it."""
+    """Per stage, the variables it places on its device: those no earlier stage holds (a
+    weight tied between stages lives with the first stage that uses it), except the shards
+    of tensor-parallel layers, which live on their own group of devices."""
+    # Imported here: tfmulti.parallel's placement imports the pipeline runtime.
+    from tfmulti.parallel.sharded_layer import TensorParallelLayer
+
     seen = set()
     owned = []
     for stage in stages:
-        own = [v for v in stage.variables if id(v) not in seen]
-        seen.update(id(v) for v in own)
+        self_placed = {
+            id(v)
+            for layer in stage._flatten_layers()
+            if isinstance(layer, TensorParallelLayer)
+            for v in layer.variables
+        }
+        own = [v for v in stage.variables if id(v) not in seen and id(v) not in self_placed]
+        seen.update(id(v) for v in stage.variables)
         owned.append(own)
     return owned
 

@@ -1,0 +1,98 @@
+"""3D meshes (data x pipe x tensor): pipelined copies whose stages split their layers over
+tensor devices train like the unsplit Transformer on one device."""
+
+import keras
+import numpy as np
+import pytest
+from pipeline_runtime_models import device_index
+
+from models import registry
+from tfmulti.devices import logical_device_names
+from tfmulti.hybrid import build_hybrid_model
+from tfmulti.mesh import MeshError, parse_mesh
+from tfmulti.parallel import ColumnParallelDense
+
+VOCABULARY, LENGTH, BATCH, STEPS = 16, 8, 8, 3
+OPTIONS = {"num_layers": 2, "num_heads": 2, "d_model": 8}
+
+
+def _blocks(devices=None):
+    options = dict(OPTIONS)
+    if devices is not None:
+        options.update(tensor_parallel=len(devices), tensor_parallel_devices=list(devices))
+    return registry.build_blocks("transformer", (LENGTH,), VOCABULARY, seed=0, **options)
+
+
+def _reference():
+    return registry.build_model("transformer", (LENGTH,), VOCABULARY, seed=0, **OPTIONS)
+
+
+def _batches():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, VOCABULARY, (STEPS * BATCH, LENGTH + 1)).astype("int32")
+    return [
+        (tokens[rows, :-1], tokens[rows, 1:])
+        for rows in (slice(step * BATCH, (step + 1) * BATCH) for step in range(STEPS))
+    ]
+
+
+def _optimizer(name):
+    return keras.optimizers.SGD(0.5) if name == "sgd" else keras.optimizers.Adam(0.02)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_data_pipe_tensor_mesh_trains_like_the_unsplit_model_on_one_device(optimizer):
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    hybrid = build_hybrid_model(
+        _blocks,
+        "data=2,pipe=2,tensor=2",
+        num_microbatches=2,
+        schedule="1f1b",
+        devices=logical_device_names("CPU")[:8],
+        make_split_blocks=_blocks,
+    )
+    reference = _reference()
+    for model in (reference, hybrid):
+        model.compile(optimizer=_optimizer(optimizer), loss=loss, jit_compile=False)
+    batches = _batches()
+    for x, y in batches:
+        np.testing.assert_allclose(
+            hybrid.train_on_batch(x, y), reference.train_on_batch(x, y), rtol=1e-5
+        )
+    # The trained weights agree: the same logits on held-out tokens.
+    probe = batches[0][0][::-1]
+    np.testing.assert_allclose(
+        hybrid.predict(probe, verbose=0), reference.predict(probe, verbose=0), atol=1e-5
+    )
+    # Replica r's stage s splits its layers over devices 4r + 2s and 4r + 2s + 1.
+    for replica_index, replica in enumerate(hybrid.replicas):
+        for stage_index, stage in enumerate(replica.stages):
+            split = [
+                layer for layer in stage._flatten_layers() if isinstance(layer, ColumnParallelDense)
+            ]
+            first = 4 * replica_index + 2 * stage_index
+            assert split
+            for layer in split:
+                shard_devices = {device_index(v)[1] for v in layer.trainable_variables}
+                assert shard_devices == {first, first + 1}
+
+
+def test_a_tensor_mesh_without_split_layers_or_with_chunks_is_one_clear_error():
+    devices = logical_device_names("CPU")[:8]
+    with pytest.raises(MeshError, match=r"needs a model built from split layers"):
+        build_hybrid_model(_blocks, "data=2,pipe=2,tensor=2", 2, devices=devices)
+    with pytest.raises(MeshError, match=r"Received: chunks=2; use chunks=1"):
+        build_hybrid_model(
+            _blocks,
+            "data=1,pipe=2,tensor=4",
+            2,
+            "interleaved_1f1b",
+            chunks=2,
+            devices=devices,
+            make_split_blocks=_blocks,
+        )
+
+
+def test_stage_device_groups_follow_the_mesh_order():
+    groups = parse_mesh("data=2,pipe=2,tensor=2").stage_device_groups(list("abcdefgh"))
+    assert groups == [[["a", "b"], ["c", "d"]], [["e", "f"], ["g", "h"]]]
