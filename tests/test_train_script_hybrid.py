@@ -70,3 +70,39 @@ def test_mesh_that_does_not_fit_the_devices_is_one_line(tmp_path):
     assert result.returncode == 1
     assert "needs data x pipe x tensor = 6 devices" in last_line(result.stderr)
     assert "Traceback" not in result.stderr
+
+
+TRANSFORMER = (
+    "--model=transformer",
+    "--dataset=tokens",
+    "--model_option=num_layers=2",
+    "--model_option=num_heads=2",
+    "--model_option=d_model=16",
+    "--batch_size=16",
+    "--epochs=2",
+    "--steps_per_epoch=3",
+    "--validation_steps=1",
+    "--optimizer=adam",
+    "--learning_rate=0.01",
+    "--log_steps=0",
+)
+
+
+def test_data_pipe_tensor_mesh_across_two_workers_trains_like_one_device(tmp_path):
+    # 2 workers x 4 devices: a data replica per worker, 2 stages, each split over 2 devices.
+    reference_dir, model_dir = str(tmp_path / "one"), str(tmp_path / "mesh")
+    reference = run_script(
+        "train.py", *TRANSFORMER, "--strategy=one_device", f"--model_dir={reference_dir}"
+    )
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    returncode, output = launch_training(
+        *TRANSFORMER,
+        "--strategy=hybrid",
+        "--mesh=data=2,pipe=2,tensor=2",
+        "--microbatches=2",
+        "--collective_timeout=120",
+        f"--model_dir={model_dir}",
+        devices_per_worker=4,
+    )
+    assert returncode == 0, output[-3000:]
+    assert_same_training(read_metrics(model_dir), read_metrics(reference_dir))

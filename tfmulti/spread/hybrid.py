@@ -81,6 +81,7 @@ class Hybrid(Spread):
             cluster=context.cluster,
             communication=config.communication,
             collective_timeout=config.collective_timeout,
+            make_split_blocks=source.build_split_blocks,
         )
 
     def prepare(self, model: keras.Model, context: BuildContext) -> None:

@@ -31,6 +31,8 @@ class ModelSource:
             with the same weights every call.
         build_split_model: reference models only: returns the model with its layers split
             over K devices, given K.
+        build_split_blocks: reference models with split layers only: returns the block list
+            with its layers split over the given devices.
 
     Example:
         >>> source = model_source(config, info)
@@ -44,11 +46,13 @@ class ModelSource:
         build_model: Callable[[], keras.Model],
         build_blocks: Callable[[], list[keras.layers.Layer]] | None = None,
         build_split_model: Callable[[int], keras.Model] | None = None,
+        build_split_blocks: Callable[[list[str]], list[keras.layers.Layer]] | None = None,
     ):
         self.name = name
         self._build_model = build_model
         self._build_blocks = build_blocks
         self._build_split_model = build_split_model
+        self.build_split_blocks = build_split_blocks
         self._model = None
 
     @property
@@ -105,13 +109,26 @@ def model_source(config: TrainConfig, info: DataInfo) -> ModelSource:
             **extra,
         )
 
+    def blocks(**extra) -> list[keras.layers.Layer]:
+        return registry.build_blocks(
+            config.model,
+            info.input_shape,
+            info.num_classes,
+            config.seed,
+            **config.model_options,
+            **extra,
+        )
+
+    def split_blocks(devices: list[str]) -> list[keras.layers.Layer]:
+        return blocks(tensor_parallel=len(devices), tensor_parallel_devices=list(devices))
+
+    splittable = "tensor_parallel" in registry.model_options(config.model)
     return ModelSource(
         config.model,
         build,
-        build_blocks=lambda: registry.build_blocks(
-            config.model, info.input_shape, info.num_classes, config.seed, **config.model_options
-        ),
+        build_blocks=blocks,
         build_split_model=lambda num_shards: build(tensor_parallel=num_shards),
+        build_split_blocks=split_blocks if splittable else None,
     )
 
 
