@@ -288,3 +288,21 @@ def test_layer_built_inside_a_symbolic_call_is_sharded_once_its_variables_exist(
     assert [view.path for view in sharded_views(model)] == ["block/inner/kernel", "head/kernel"]
     fit_regression(model, data, batch_size=4)
     assert_same_weights(reference, model, 1e-5)
+
+
+def test_mixed_float16_sharded_layers_train_like_unsharded():
+    data = regression_data(8, seed=4)
+    layout_map = keras.distribution.LayoutMap(model_mesh(2))
+    layout_map["dense/kernel"] = (None, "model")
+    layout_map["dense/bias"] = ("model",)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        reference = dense_then_conv()
+        fit_regression(reference, data, batch_size=4)
+        with keras.distribution.ModelParallel(layout_map=layout_map).scope():
+            model = dense_then_conv()
+        fit_regression(model, data, batch_size=4)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert len(sharded_views(model)) == 2
+    assert_same_weights(reference, model, 1e-3)
