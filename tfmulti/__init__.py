@@ -37,6 +37,8 @@ _LAZY_EXPORTS = {
     "VocabParallelEmbedding": "tfmulti.parallel",
     "TensorParallelModel": "tfmulti.parallel",
     "unsplit_model": "tfmulti.parallel",
+    "shard": "tfmulti.parallel",
+    "variable_bytes_per_device": "tfmulti.parallel",
     "HybridPipelineModel": "tfmulti.hybrid",
     "parse_mesh": "tfmulti.mesh",
 }
