@@ -114,34 +114,35 @@ def test_model_parallel_with_keras_hub_layout_trains_to_unsharded_weights(
         with keras.distribution.ModelParallel(layout_map=layout_map).scope():
             model = build()
     assert_each_shard_holds_its_share(model, num_devices)
+    assert_bytes_per_device_fall_by_the_share(model, reference, num_devices)
     history = compile_and_fit(model, optimizer_name)
     np.testing.assert_allclose(history.history["loss"], reference_history.history["loss"], 1e-5)
     assert_same_weights(reference, model, 1e-4)
+    assert_optimizer_state_beside_shards(model, SLOTS_PER_WEIGHT[optimizer_name])
 
 
-def test_variable_bytes_per_device_falls_by_the_layout_share():
-    whole = llama()
-    layout_map = keras_hub.models.LlamaBackbone.get_layout_map(model_mesh(4))
-    with keras.distribution.ModelParallel(layout_map=layout_map).scope():
-        model = llama()
+SLOTS_PER_WEIGHT = {"sgd": 0, "adam": 2}
+
+
+def assert_bytes_per_device_fall_by_the_share(model, whole, num_devices):
     sharded_bytes = sum(int(np.prod(view.shape)) * 4 for view in sharded_views(model))
     whole_bytes = sum(int(np.prod(variable.shape)) * 4 for variable in whole.weights)
-    replicated_bytes = whole_bytes - sharded_bytes
-    per_device = variable_bytes_per_device(model)
-    assert per_device == {
-        "/device:CPU:0": replicated_bytes + sharded_bytes // 4,
-        "/device:CPU:1": sharded_bytes // 4,
-        "/device:CPU:2": sharded_bytes // 4,
-        "/device:CPU:3": sharded_bytes // 4,
+    assert variable_bytes_per_device(model) == {
+        f"/device:CPU:{index}": sharded_bytes // num_devices
+        + (whole_bytes - sharded_bytes if index == 0 else 0)
+        for index in range(num_devices)
     }
     assert variable_bytes_per_device(whole) == {"/device:CPU:0": whole_bytes}
-    compile_and_fit(model, "adam")
+
+
+def assert_optimizer_state_beside_shards(model, slots_per_weight):
+    weight_bytes = variable_bytes_per_device(model)
     optimizer_bytes = variable_bytes_per_device(model, part="optimizer")
-    # Adam keeps two slots per weight, beside the weight's shard.
-    for device in ("/device:CPU:1", "/device:CPU:2", "/device:CPU:3"):
-        assert optimizer_bytes[device] == 2 * per_device[device]
-    total = variable_bytes_per_device(model, part="all")
-    assert total == {device: per_device[device] + optimizer_bytes[device] for device in per_device}
+    for device in list(weight_bytes)[1:]:  # only shards live off the first device
+        assert optimizer_bytes.get(device, 0) == slots_per_weight * weight_bytes[device]
+    assert variable_bytes_per_device(model, part="all") == {
+        device: weight_bytes[device] + optimizer_bytes.get(device, 0) for device in weight_bytes
+    }
 
 
 def test_shard_on_a_model_with_loaded_weights_predicts_and_trains_as_unsharded(tmp_path):
