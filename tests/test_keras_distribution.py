@@ -307,3 +307,24 @@ def test_mixed_float16_sharded_layers_train_like_unsharded():
         keras.mixed_precision.set_global_policy("float32")
     assert len(sharded_views(model)) == 2
     assert_same_weights(reference, model, 1e-3)
+
+
+def test_layer_first_built_inside_fit_stays_whole_with_a_warning_and_trains_correctly():
+    def unbuilt_sequential():
+        keras.utils.set_random_seed(6)
+        return keras.Sequential([keras.layers.Dense(8, name="up"), keras.layers.Dense(4)])
+
+    data = regression_data(8, seed=6, target_steps=6)
+    reference = unbuilt_sequential()
+    fit_regression(reference, data, batch_size=4)
+    layout_map = keras.distribution.LayoutMap(model_mesh(2))
+    layout_map[".*up/kernel"] = (None, "model")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with keras.distribution.ModelParallel(layout_map=layout_map).scope():
+            model = unbuilt_sequential()
+            fit_regression(model, data, batch_size=4)
+    messages = [str(w.message) for w in caught if w.category is LayoutNotHonouredWarning]
+    assert len(messages) == 1 and "up/kernel" in messages[0], messages
+    assert "build the model before fit" in messages[0]
+    assert_same_weights(reference, model, 1e-6)

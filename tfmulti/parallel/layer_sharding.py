@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Callable
 
 import keras
+import tensorflow as tf
 from keras import ops
 
 from tfmulti.compat.keras_distribution_tf import load_in_unsplit_layout, own_variables
@@ -257,13 +258,21 @@ def shard_layer(layer: keras.layers.Layer, layout_of: Callable, device_mesh) -> 
     if not plans:
         return False
     sharder = _sharder_for(layer)
+    reason = None
     if sharder is None:
+        reason = (
+            f"tfmulti shards {SHARDED_LAYER_KINDS} layers (not quantized or LoRA); "
+            f"{type(layer).__name__} '{layer.name}' runs whole on one device"
+        )
+    elif tf.inside_function():
+        # Its variables' values exist only once the traced step runs.
+        reason = (
+            f"{type(layer).__name__} '{layer.name}' was first built inside a traced training "
+            "step; build the model before fit (a keras.Input, or call it on a batch)"
+        )
+    if reason is not None:
         for variable in variables.values():
-            warn_not_honoured(
-                variable,
-                f"tfmulti shards {SHARDED_LAYER_KINDS} layers (not quantized or LoRA); "
-                f"{type(layer).__name__} '{layer.name}' runs whole on one device",
-            )
+            warn_not_honoured(variable, reason)
         return False
     num_weights = len(own_variables(layer))
     sharded = sharder(layer, plans)
