@@ -58,10 +58,10 @@ def _stages(num_stages):
     return [CountingStage(u, 10 * i, name=f"stage{i}") for i, u in enumerate(units)]
 
 
-def _built_pipeline(num_microbatches, schedule):
+def _built_pipeline(num_microbatches, schedule, jit_compile=False):
     devices = logical_device_names("CPU")[:NUM_DEVICES]
     pipeline = PipelineModel(_stages(NUM_DEVICES), devices, num_microbatches, schedule)
-    pipeline.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    pipeline.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=jit_compile)
     pipeline(np.zeros((BATCH_SIZE, FEATURES), "float32"))
     return pipeline
 
@@ -81,6 +81,25 @@ def test_each_stage_forward_and_backward_traced_once_whatever_the_microbatches(s
     assert few == many
     expected = {(part, f"stage{i}"): 1 for part in ("forward", "backward") for i in (0, 1)}
     assert many == expected
+
+
+def _traces_of_evaluation(num_microbatches):
+    pipeline = _built_pipeline(num_microbatches, "1f1b")
+    TRACES.clear()
+    x, y = regression_batches(1, BATCH_SIZE)[0]
+    pipeline.evaluate(x, y, batch_size=BATCH_SIZE, verbose=0)
+    return dict(TRACES)
+
+
+def test_evaluation_traces_each_stage_once_whatever_the_microbatches():
+    assert (
+        _traces_of_evaluation(2)
+        == _traces_of_evaluation(8)
+        == {
+            ("forward", "stage0"): 1,
+            ("forward", "stage1"): 1,
+        }
+    )
 
 
 def _step_graph(num_microbatches):

@@ -125,6 +125,17 @@ class PipelineModel(keras.Model):
         if self.optimizer is not None:
             place_optimizer_on_variable_devices(self.optimizer)
 
+    def make_train_function(self, force=False):
+        # Optimizer slots made during the first trace make tf.function trace the whole
+        # step twice; once the stages are built, the optimizer can be built beforehand.
+        optimizer = self.optimizer
+        if optimizer is not None and not optimizer.built and self._stages_built():
+            optimizer.build(self.optimizer_variable_order())
+        return super().make_train_function(force=force)
+
+    def _stages_built(self) -> bool:
+        return all(stage.built for stage in self.stages)
+
     def build(self, input_shape=None):
         # Stages are built on their devices at the first call, once input dtypes are known.
         self.built = True
@@ -134,9 +145,11 @@ class PipelineModel(keras.Model):
         parts = split_microbatches(inputs, microbatch_sizes(inputs, self.num_microbatches))
         outputs = []
         for part in parts:
-            for stage, device in zip(self.stages, self.stage_devices, strict=True):
+            for functions, device in zip(
+                self._executor.stage_functions, self.stage_devices, strict=True
+            ):
                 with tf.device(device):
-                    part = stage(part, training=training)
+                    part = functions.call(part, training=training)
             outputs.append(part)
         return concat_microbatches(outputs)
 

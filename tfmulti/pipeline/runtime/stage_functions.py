@@ -1,14 +1,13 @@
 """A pipeline stage's forward and backward, traced once per input signature.
 
 The stage's Keras call and its tape's gradients are traced together once, into one graph;
-that graph is then cut (`WrappedFunction.prune`) into the functions a schedule's actions
+that graph is then cut (`graph_cut.GraphCut`) into the functions a schedule's actions
 call: F (the outputs, plus the tensors the backward reads, its residuals), B (all
 gradients), and for split schedules I (input gradients, plus what W reads from I's work)
-and W (weight gradients). Every micro-batch calls the same functions, so the step's graph
-holds one call per action instead of a copy of the stage, and each function's body is
-optimized once for its device. With recomputation the forward returns no residuals and the
-backward functions replay the forward ops they need from the stage inputs.
-"""
+and W (weight gradients). Every micro-batch calls the same functions, so tracing costs one
+stage call and one `tape.gradient` per stage, however many micro-batches there are. With
+recomputation the forward returns no residuals and the backward functions replay the
+forward ops they need from the stage inputs."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-_NO_INLINE = {"_noinline": True}
+from tfmulti.pipeline.runtime.graph_cut import GraphCut, ops_between
 
 
 def is_differentiable(tensor) -> bool:
@@ -96,7 +95,7 @@ class TracedStage:
                 return tensor.ref() in kept
             return tensor.op in forward_ops
 
-        _, backward_needs = _cut(input_grads + flat_weight_grads, from_forward, captures)
+        _, backward_needs = ops_between(input_grads + flat_weight_grads, from_forward, captures)
         residuals = [
             t for t in backward_needs if t.ref() not in input_ids and t.ref() not in grad_ids
         ]
@@ -111,19 +110,19 @@ class TracedStage:
                 return _Feed("carry", carry_ids[tensor.ref()])
             return _Feed("residual", residual_ids[tensor.ref()])
 
-        targets = _unread_stateful_ops(forward_ops)
-        self.forward = _function(
-            wrapped, inputs, list(flat_outputs) + residuals, targets, jit_compile
+        self._cutter = GraphCut(graph)
+        self.forward = self._cutter.function(
+            inputs, list(flat_outputs) + residuals, _unread_stateful_ops(forward_ops), jit_compile
         )
         self.num_outputs = len(flat_outputs)
         self.backward_feeds = [feed(t) for t in backward_needs]
 
-        input_grad_ops, input_grad_needs = _cut(input_grads, from_forward, captures)
+        input_grad_ops, input_grad_needs = ops_between(input_grads, from_forward, captures)
 
         def before_weight_grad(tensor) -> bool:
             return from_forward(tensor) or tensor.op in input_grad_ops
 
-        _, weight_grad_needs = _cut(flat_weight_grads, before_weight_grad, captures)
+        _, weight_grad_needs = ops_between(flat_weight_grads, before_weight_grad, captures)
         carry = [t for t in weight_grad_needs if t.op in input_grad_ops]
         carry_ids = {t.ref(): i for i, t in enumerate(carry)}
         self.input_grad_feeds = [feed(t) for t in input_grad_needs]
@@ -135,12 +134,11 @@ class TracedStage:
             "input_grad": (input_grad_needs, input_grads + carry),
             "weight_grad": (weight_grad_needs, flat_weight_grads),
         }
-        self._wrapped = wrapped
         self._jit_compile = jit_compile
 
     def _cut_function(self, name: str) -> Callable:
         feeds, fetches = self._cuts[name]
-        return _function(self._wrapped, feeds, fetches, [], self._jit_compile)
+        return self._cutter.function(feeds, fetches, jit_compile=self._jit_compile)
 
     @functools.cached_property
     def backward(self) -> Callable:
@@ -186,6 +184,7 @@ class StageFunctions:
         self.jit_compile = jit_compile
         self.traces = 0
         self._traced = {}
+        self._calls = {}  # training flag -> the stage's plain call as a tf.function
 
     def for_inputs(self, flat_inputs: Sequence[tf.Tensor], structure) -> TracedStage:
         """The functions for stage inputs like `flat_inputs` (nested as `structure`)."""
@@ -202,6 +201,26 @@ class StageFunctions:
                 self.jit_compile,
             )
         return self._traced[key]
+
+    def call(self, inputs, training=None):
+        """The stage on `inputs`, without gradients (evaluation, prediction).
+
+        In a traced function the call goes through one function per `training` flag and
+        input signature, so a step over m micro-batches does not trace the stage m times;
+        eagerly the stage runs as is.
+        """
+        if tf.executing_eagerly():
+            return self.stage(inputs, training=training)
+        function = self._calls.get(training)
+        if function is None:
+            stage = self.stage
+            function = tf.function(
+                lambda stage_inputs: stage(stage_inputs, training=training),
+                autograph=False,
+                jit_compile=self.jit_compile or None,
+            )
+            self._calls[training] = function
+        return function(inputs)
 
 
 def _trace_forward_and_backward(stage, structure, flat_inputs, differentiate_inputs) -> dict:
@@ -228,6 +247,7 @@ def _trace_forward_and_backward(stage, structure, flat_inputs, differentiate_inp
     )
     # Gradients handed to the previous stage travel dense; weight gradients may be sparse.
     input_grads = [tf.identity(tf.convert_to_tensor(g)) for g in gradients[: len(watched)]]
+    weight_grads = [_identity(g) for g in gradients[len(watched) :]]
     return {
         "inputs": flat_inputs,
         "outputs": flat_outputs,
@@ -235,35 +255,9 @@ def _trace_forward_and_backward(stage, structure, flat_inputs, differentiate_inp
         "output_grads": output_grads,
         "forward_ops": forward_ops,
         "input_grads": input_grads,
-        "weight_grads": [_identity(g) for g in gradients[len(watched) :]],
+        "weight_grads": weight_grads,
         "weights": weights,
     }
-
-
-def _cut(
-    fetches: Sequence[tf.Tensor], available: Callable[[tf.Tensor], bool], captures: set
-) -> tuple[set, list[tf.Tensor]]:
-    """The ops computing `fetches` from tensors that are `available`, and those tensors.
-
-    Captured tensors (variable handles) are neither: a cut function captures them itself.
-    """
-    ops, needs, seen_needs = set(), [], set()
-    pending = [t.op for t in fetches]
-    while pending:
-        op = pending.pop()
-        if op in ops:
-            continue
-        ops.add(op)
-        for tensor in op.inputs:
-            if tensor.ref() in captures:
-                continue
-            if available(tensor):
-                if tensor.ref() not in seen_needs:
-                    seen_needs.add(tensor.ref())
-                    needs.append(tensor)
-            else:
-                pending.append(tensor.op)
-    return ops, needs
 
 
 def _unread_stateful_ops(forward_ops: set) -> list[tf.Operation]:
@@ -276,18 +270,3 @@ def _unread_stateful_ops(forward_ops: set) -> list[tf.Operation]:
         and op.type not in ("Placeholder", "VarHandleOp", "ReadVariableOp")
         and not any(t.consumers() for t in op.outputs)
     ]
-
-
-def _function(wrapped, feeds, fetches, targets, jit_compile: bool) -> Callable:
-    """`fetches` as a function of `feeds`, called as one op that is not inlined."""
-    fetch_ops = list(targets)
-    pruned = wrapped.prune(feeds=list(feeds), fetches=list(fetches) + fetch_ops)
-    num_fetches = len(fetches)
-
-    def call(*flat):
-        return list(pruned(*flat))[:num_fetches]
-
-    function = tf.function(
-        call, autograph=False, jit_compile=jit_compile or None, experimental_attributes=_NO_INLINE
-    )
-    return function.get_concrete_function(*[tf.TensorSpec(t.shape, t.dtype) for t in feeds])
