@@ -149,11 +149,11 @@ def time_block(block: keras.layers.Layer, inputs) -> tuple[float, float]:
     """Returns the median (forward, backward) seconds of `block` on `inputs`, traced."""
     differentiable = [t for t in tf.nest.flatten(inputs) if t.dtype.is_floating]
 
-    @tf.function
+    @tf.function(autograph=False)
     def forward():
         return block(inputs, training=True)
 
-    @tf.function
+    @tf.function(autograph=False)
     def forward_and_backward():
         with tf.GradientTape() as tape:
             tape.watch(differentiable)
