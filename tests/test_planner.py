@@ -54,8 +54,6 @@ def _exhaustive_step_times(costs, num_devices, hardware):
     for data, pipe, tensor in itertools.product(range(1, num_devices + 1), repeat=3):
         if data * pipe * tensor != num_devices or tensor not in costs.tensor_parallel_sizes:
             continue
-        if tensor > 1 and data * pipe > 1:  # not runnable: tensor parallelism runs alone
-            continue
         per_replica = GLOBAL_BATCH // data
         microbatch_counts = [m for m in range(1, per_replica + 1) if per_replica % m == 0]
         shapes = [(None, 1, 1)]
@@ -63,7 +61,9 @@ def _exhaustive_step_times(costs, num_devices, hardware):
             shapes = [
                 (schedule, m, chunks)
                 for schedule in SCHEDULE_NAMES
-                for chunks in ((2, 3, 4) if schedule == "interleaved_1f1b" else (1,))
+                for chunks in (
+                    (2, 3, 4) if schedule == "interleaved_1f1b" and tensor == 1 else (1,)
+                )
                 for m in microbatch_counts
             ]
         for schedule, m, chunks in shapes:
@@ -154,13 +154,16 @@ def test_tensor_split_divides_per_example_time_and_params_and_adds_allreduces():
     assert split.param_bytes == pytest.approx(whole.param_bytes / 2)
 
 
-def test_tensor_meshes_appear_only_for_supported_sizes_and_alone():
+def test_tensor_meshes_appear_for_supported_sizes_alone_and_mixed_without_chunks():
     assert all(mesh.tensor == 1 for mesh in meshes(4, (1,)))
     assert {mesh.tensor for mesh in meshes(2, (1, 2))} == {1, 2}
-    mixed = meshes(8, (1, 2, 4), allow_fewer_devices=True)
-    assert all(mesh.tensor == 1 or mesh.data * mesh.pipe == 1 for mesh in mixed)
+    mixed = {str(mesh) for mesh in meshes(8, (1, 2, 4), allow_fewer_devices=True)}
+    assert {"data=2,pipe=2,tensor=2", "data=1,pipe=2,tensor=4", "data=2,pipe=1,tensor=4"} <= mixed
     layouts = search_layouts(_costs(tensor_sizes=(1,)), 4, GLOBAL_BATCH, HARDWARE)
     assert all(layout.mesh.tensor == 1 for layout in layouts)
+    layouts = search_layouts(_costs(tensor_sizes=(1, 2)), 8, GLOBAL_BATCH, HARDWARE)
+    three_d = [layout for layout in layouts if layout.mesh == DeviceMesh(2, 2, 2)]
+    assert three_d and all(layout.chunks == 1 for layout in three_d)
 
 
 def test_fewer_devices_are_considered_only_when_allowed():

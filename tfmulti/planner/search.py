@@ -31,9 +31,8 @@ def meshes(
 ) -> list[DeviceMesh]:
     """Every runnable data x pipe x tensor arrangement of `num_devices` (or of fewer, if allowed).
 
-    Tensor parallelism runs alone (`--strategy=model_parallel --tensor_parallel=K`): the
-    hybrid runtime does not split tensors yet, so meshes mixing it with data or pipe are
-    left out rather than printed with flags that would not run.
+    A tensor group alone runs as `--strategy=model_parallel --tensor_parallel=K`; mixed
+    with data or pipe, as `--strategy=hybrid --mesh=data=D,pipe=P,tensor=K`.
 
     Example:
         >>> [str(mesh) for mesh in meshes(2)]
@@ -49,8 +48,7 @@ def meshes(
         for tensor in sorted(size for size in set(tensor_sizes) if count % size == 0):
             for data in _divisors(count // tensor):
                 pipe = count // tensor // data
-                if tensor == 1 or data * pipe == 1:
-                    found.append(DeviceMesh(data=data, pipe=pipe, tensor=tensor))
+                found.append(DeviceMesh(data=data, pipe=pipe, tensor=tensor))
     return sorted(found, key=lambda mesh: (mesh.num_devices, mesh.tensor, mesh.data))
 
 
@@ -88,8 +86,10 @@ def search_layouts(
         if global_batch % mesh.data:
             continue
         per_replica = global_batch // mesh.data
+        # A hybrid run with tensor groups runs one stage per device group (no chunks).
+        chunk_limit = 1 if mesh.tensor > 1 else max_chunks
         for schedule, num_microbatches, chunks in _pipeline_shapes(
-            mesh.pipe, per_replica, len(costs.blocks), max_microbatches, max_chunks
+            mesh.pipe, per_replica, len(costs.blocks), max_microbatches, chunk_limit
         ):
             blocks = blocks_for(per_replica / num_microbatches, mesh.tensor)
             best = _best_split(blocks, mesh, schedule, num_microbatches, chunks, hardware)
