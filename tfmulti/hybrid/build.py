@@ -136,26 +136,17 @@ def build_hybrid_model(
             worker_collectives=collectives,
         )
     _check_tensor_split(mesh, make_split_blocks, chunks)
-    made: list[PipelineModel] = []
 
-    def make_pipeline(stage_devices: list[str]) -> PipelineModel:
-        # Stage s of this replica: the blocks of stage s, split over that stage's group.
+    def make_replica(index: int, stage_devices: list[str], first) -> PipelineModel:
+        # Stage s of replica `index`: the blocks of stage s, split over that stage's group.
         stages = [
             stages_from_blocks(make_split_blocks(group), partition_boundaries)[stage]
-            for stage, group in enumerate(groups[len(made)])
+            for stage, group in enumerate(groups[index])
         ]
-        pipeline = PipelineModel(stages, stage_devices, num_microbatches, schedule, remat)
-        made.append(pipeline)
-        return pipeline
+        return PipelineModel(stages, stage_devices, num_microbatches, schedule, remat)
 
-    return HybridPipelineModel(
-        None,
-        replica_devices,
-        num_microbatches,
-        schedule,
-        remat=remat,
-        worker_collectives=collectives,
-        make_pipeline=make_pipeline,
+    return _hybrid_of_pipelines(
+        make_replica, replica_devices, num_microbatches, schedule, remat, collectives
     )
 
 
@@ -203,22 +194,40 @@ def build_hybrid_model_from_model(
     if mesh.tensor > 1:
         _check_tensor_split(mesh, None, chunks)  # a whole model has no split layers
     replica_devices = [[group[0] for group in replica] for replica in groups]
-    made: list[PipelineModel] = []
 
-    def make_pipeline(devices_of_replica: list[str]) -> PipelineModel:
+    def make_replica(index: int, devices_of_replica: list[str], first) -> PipelineModel:
         # Replica 0 cuts the model; the copies are cut at the same calls.
-        pipeline = PipelineModel.from_model(
-            copy_model(model) if made else model,
+        return PipelineModel.from_model(
+            model if first is None else copy_model(model),
             devices_of_replica,
             num_microbatches,
             schedule,
             chunks=chunks,
-            partition=stage_boundaries(made[0].stages) if made else partition,
+            partition=partition if first is None else stage_boundaries(first.stages),
             remat=remat,
             sample_input=sample_input,
         )
-        made.append(pipeline)
-        return pipeline
+
+    return _hybrid_of_pipelines(
+        make_replica, replica_devices, num_microbatches, schedule, remat, collectives
+    )
+
+
+def _hybrid_of_pipelines(
+    make_replica: Callable[[int, list[str], PipelineModel | None], PipelineModel],
+    replica_devices: list[list[str]],
+    num_microbatches: int,
+    schedule: str,
+    remat: bool,
+    collectives: WorkerCollectives | None,
+) -> HybridPipelineModel:
+    """A `HybridPipelineModel` whose replica r is `make_replica(r, its devices, replica 0)`
+    (None for replica 0 itself)."""
+    made: list[PipelineModel] = []
+
+    def make_pipeline(devices: list[str]) -> PipelineModel:
+        made.append(make_replica(len(made), devices, made[0] if made else None))
+        return made[-1]
 
     return HybridPipelineModel(
         None,
