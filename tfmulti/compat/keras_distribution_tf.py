@@ -163,6 +163,37 @@ def active_patch_names() -> list[str]:
     return [patch.name for patch in PATCHES if patch.name in _ORIGINALS]
 
 
+# Where Keras layers keep the weights whose public name is a property.
+_STORED_AS = {"kernel": "_kernel", "embeddings": "_embeddings"}
+
+
+def stored_weight(layer: keras.layers.Layer, name: str):
+    """The weight a layer keeps as `name` ("kernel", "bias", "embeddings", ...)."""
+    return getattr(layer, _STORED_AS.get(name, name), None)
+
+
+def store_weight(layer: keras.layers.Layer, name: str, value) -> None:
+    """Puts `value` where the layer reads its weight `name` from."""
+    setattr(layer, _STORED_AS.get(name, name), value)
+
+
+def install_sharded_call(layer: keras.layers.Layer, call: Callable, views: list) -> None:
+    """Makes `layer` compute with `call` and list `views` as its `sharded_weights`.
+
+    Instance attributes, outside Keras' tracking: the layer's class and config stay the
+    same, so the model saves and reloads as the unsharded one. Each shard runs on its
+    device, so the layer no longer supports XLA (which compiles a step for one device).
+    """
+    object.__setattr__(layer, "call", call)
+    object.__setattr__(layer, "sharded_weights", views)
+    object.__setattr__(layer, "supports_jit", False)
+
+
+def layers_within(model: keras.layers.Layer) -> list:
+    """`model` and every layer nested in it (Keras' own walk; there is no public one)."""
+    return list(model._flatten_layers(include_self=True, recursive=True))
+
+
 def own_variables(layer: keras.layers.Layer) -> list:
     """The variables `layer` created itself (not those of its sublayers), in weight order."""
     return list(layer._trainable_variables) + list(layer._non_trainable_variables)

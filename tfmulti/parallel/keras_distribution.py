@@ -99,7 +99,7 @@ def shard(
         return layout_map[variable.path]
 
     sharded = False
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+    for layer in keras_distribution_tf.layers_within(model):
         sharded = shard_layer(layer, layout_of, device_mesh) or sharded
     if sharded:
         # Traced steps read the whole weights; retrace, and without XLA (one device only).

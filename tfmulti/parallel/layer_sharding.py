@@ -17,7 +17,14 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from tfmulti.compat.keras_distribution_tf import load_in_unsplit_layout, own_variables
+from tfmulti.compat.keras_distribution_tf import (
+    install_sharded_call,
+    layers_within,
+    load_in_unsplit_layout,
+    own_variables,
+    store_weight,
+    stored_weight,
+)
 from tfmulti.parallel.collectives import fan_out, gather, reduce_partial_sums
 from tfmulti.parallel.device_compute import run_on_device
 from tfmulti.parallel.mesh_layout import (
@@ -58,15 +65,6 @@ def _activate(activation, outputs):
     return outputs if activation is None else activation(outputs)
 
 
-def _install(layer, call: Callable, views: list[ShardedVariable]) -> None:
-    # Instance attributes, outside Keras's tracking: the layer's class and config stay the
-    # same, so the model saves and reloads as the unsharded one.
-    object.__setattr__(layer, "call", call)
-    object.__setattr__(layer, "sharded_weights", views)
-    # Each shard runs on its device; XLA would compile the whole step for one device.
-    object.__setattr__(layer, "supports_jit", False)
-
-
 def _output_axis_from_end(equation: str, axis: int | None) -> int | None:
     output_spec = equation.replace(" ", "").split("->")[1]
     if axis is None or axis < 0:
@@ -84,7 +82,7 @@ def _bias_follows(bias, bias_plan: ShardPlan, kernel_plan: ShardPlan, equation, 
 def _shard_dense(layer, plans: dict) -> bool:
     """Splits a Dense/EinsumDense kernel (and a bias split alongside it)."""
     equation = getattr(layer, "equation", DENSE_EQUATION)
-    kernel, bias = layer._kernel, layer.bias
+    kernel, bias = stored_weight(layer, "kernel"), layer.bias
     kernel_plan = plans.pop(id(kernel), None)
     bias_plan = plans.pop(id(bias), None) if bias is not None else None
     if kernel_plan is None:
@@ -100,10 +98,10 @@ def _shard_dense(layer, plans: dict) -> bool:
         warn_not_honoured(bias, "a bias is split only along its kernel's split output axis")
         bias_plan = None
     kernel_view = split_variable(layer, kernel, kernel_plan)
-    layer._kernel = kernel_view
+    store_weight(layer, "kernel", kernel_view)
     views = [kernel_view]
     if bias_plan is not None:
-        layer.bias = split_variable(layer, bias, bias_plan)
+        store_weight(layer, "bias", split_variable(layer, bias, bias_plan))
         views.append(layer.bias)
     # A split bias is added to each output slice, and an elementwise activation runs there
     # too when no whole bias comes first: a row-split layer reading the output right away
@@ -137,7 +135,7 @@ def _shard_dense(layer, plans: dict) -> bool:
             finish=finish if needs_finish else None,
         )
 
-    _install(layer, call, views)
+    install_sharded_call(layer, call, views)
     return True
 
 
@@ -176,7 +174,7 @@ def _project(weight, plan: ShardPlan | None, equation: str, inputs):
 def _shard_embedding(layer, plans: dict) -> bool:
     """Splits an Embedding's table (rows or columns) and a ReversibleEmbedding's reverse weight."""
     reversible = hasattr(layer, "tie_weights")
-    table = layer._embeddings
+    table = stored_weight(layer, "embeddings")
     reverse = getattr(layer, "reverse_embeddings", None) if reversible else None
     table_plan = plans.pop(id(table), None)
     reverse_plan = plans.pop(id(reverse), None) if reverse is not None else None
@@ -189,10 +187,12 @@ def _shard_embedding(layer, plans: dict) -> bool:
         return False
     views = []
     if table_plan is not None:
-        layer._embeddings = table = split_variable(layer, table, table_plan)
+        table = split_variable(layer, table, table_plan)
+        store_weight(layer, "embeddings", table)
         views.append(table)
     if reverse_plan is not None:
-        layer.reverse_embeddings = reverse = split_variable(layer, reverse, reverse_plan)
+        reverse = split_variable(layer, reverse, reverse_plan)
+        store_weight(layer, "reverse_embeddings", reverse)
         views.append(reverse)
 
     def call(inputs, reverse_projection=False):
@@ -211,9 +211,9 @@ def _shard_embedding(layer, plans: dict) -> bool:
         return logits
 
     if reversible:
-        _install(layer, lambda inputs, reverse=False: call(inputs, reverse), views)
+        install_sharded_call(layer, lambda inputs, reverse=False: call(inputs, reverse), views)
     else:
-        _install(layer, lambda inputs: call(inputs), views)
+        install_sharded_call(layer, lambda inputs: call(inputs), views)
     return True
 
 
@@ -287,7 +287,7 @@ def sharded_views(model: keras.layers.Layer) -> list[ShardedVariable]:
     """The weights of `model` (or any layer) split by `shard_layer`, in layer order."""
     return [
         view
-        for layer in model._flatten_layers(include_self=True, recursive=True)
+        for layer in layers_within(model)
         for view in getattr(layer, "sharded_weights", ())
         if isinstance(view, ShardedVariable)
     ]
