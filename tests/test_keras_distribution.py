@@ -328,3 +328,17 @@ def test_layer_first_built_inside_fit_stays_whole_with_a_warning_and_trains_corr
     assert len(messages) == 1 and "up/kernel" in messages[0], messages
     assert "build the model before fit" in messages[0]
     assert_same_weights(reference, model, 1e-6)
+
+
+def test_shard_refuses_an_unbuilt_or_already_trained_model_in_one_line():
+    layout_map = keras.distribution.LayoutMap(model_mesh(2))
+    layout_map["dense/kernel"] = (None, "model")
+    unbuilt = keras.Sequential([keras.layers.Dense(4, name="dense")])
+    with pytest.raises(ValueError, match="needs a built model") as error:
+        shard(unbuilt, layout_map)
+    assert "\n" not in str(error.value)
+    trained = dense_then_conv()
+    fit_regression(trained, regression_data(4, seed=0), batch_size=4)
+    with pytest.raises(ValueError, match="must run before training"):
+        shard(trained, layout_map)
+    assert not sharded_views(trained)
