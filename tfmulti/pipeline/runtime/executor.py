@@ -31,7 +31,7 @@ from tfmulti.pipeline.actions import (
     Schedule,
 )
 from tfmulti.pipeline.dependencies import run_in_order
-from tfmulti.pipeline.runtime.stage_functions import StageFunctions, _Feed, is_differentiable
+from tfmulti.pipeline.runtime.stage_functions import Feed, StageFunctions, is_differentiable
 
 
 @dataclasses.dataclass
@@ -103,7 +103,7 @@ def _tensors(nest) -> list[tf.Tensor]:
     return [t for t in tf.nest.flatten(nest) if isinstance(t, tf.Tensor)]
 
 
-def _gather(feeds: Sequence[_Feed], sources: dict[str, Sequence[tf.Tensor]]) -> list:
+def _gather(feeds: Sequence[Feed], sources: dict[str, Sequence[tf.Tensor]]) -> list:
     return [sources[feed.source][feed.index] for feed in feeds]
 
 
@@ -116,7 +116,6 @@ class ScheduleExecutor:
         schedule: the schedule to run.
         remat: per stage, whether its backward replays the forward instead of keeping the
             forward's intermediate tensors.
-        jit_compile: compile each stage's functions with XLA for the stage's device.
     """
 
     def __init__(
@@ -125,7 +124,6 @@ class ScheduleExecutor:
         stage_device_names: Sequence[str],
         schedule: Schedule,
         remat: Sequence[bool],
-        jit_compile: bool = False,
     ):
         self.stages = list(stages)
         self.stage_device_names = list(stage_device_names)
@@ -134,7 +132,7 @@ class ScheduleExecutor:
         self.order = execution_order(schedule)
         self.device_of_stage = list(schedule.stage_devices)
         self.stage_functions = [
-            StageFunctions(stage, index > 0, self.remat[index], jit_compile)
+            StageFunctions(stage, index > 0, self.remat[index])
             for index, stage in enumerate(self.stages)
         ]
 

@@ -68,7 +68,6 @@ class GraphCut:
         feeds: Sequence[tf.Tensor],
         fetches: Sequence[tf.Tensor],
         also_run: Sequence[tf.Operation] = (),
-        jit_compile: bool = False,
     ):
         """A concrete function from `feeds` to `fetches`, also running the `also_run` ops.
 
@@ -102,7 +101,7 @@ class GraphCut:
             with tf.control_dependencies(ran):
                 return [tf.identity(t) for t in results]
 
-        function = tf.function(piece, autograph=False, jit_compile=jit_compile or None)
+        function = tf.function(piece, autograph=False)
         return function.get_concrete_function(*[tf.TensorSpec(t.shape, t.dtype) for t in feeds])
 
     def _sub_graph_def(self, names: set):

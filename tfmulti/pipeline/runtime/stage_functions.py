@@ -36,7 +36,7 @@ def _identity(value):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Feed:
+class Feed:
     """Where a cut function's input comes from: the stage `input`s, the forward's
     `residual`s, the `output_grad`s arriving from the next stage, or I's `carry` for W."""
 
@@ -59,7 +59,6 @@ class TracedStage:
         input_specs: Sequence[tf.TensorSpec],
         differentiate_inputs: bool,
         remat: bool,
-        jit_compile: bool,
     ):
         traced = {}
 
@@ -101,18 +100,18 @@ class TracedStage:
         ]
         residual_ids = {t.ref(): i for i, t in enumerate(residuals)}
 
-        def feed(tensor, carry_ids=None) -> _Feed:
+        def feed(tensor, carry_ids=None) -> Feed:
             if tensor.ref() in input_ids:
-                return _Feed("input", input_ids[tensor.ref()])
+                return Feed("input", input_ids[tensor.ref()])
             if tensor.ref() in grad_ids:
-                return _Feed("output_grad", grad_ids[tensor.ref()])
+                return Feed("output_grad", grad_ids[tensor.ref()])
             if carry_ids is not None and tensor.ref() in carry_ids:
-                return _Feed("carry", carry_ids[tensor.ref()])
-            return _Feed("residual", residual_ids[tensor.ref()])
+                return Feed("carry", carry_ids[tensor.ref()])
+            return Feed("residual", residual_ids[tensor.ref()])
 
         self._cutter = GraphCut(graph)
         self.forward = self._cutter.function(
-            inputs, list(flat_outputs) + residuals, _unread_stateful_ops(forward_ops), jit_compile
+            inputs, list(flat_outputs) + residuals, _unread_stateful_ops(forward_ops)
         )
         self.num_outputs = len(flat_outputs)
         self.backward_feeds = [feed(t) for t in backward_needs]
@@ -134,11 +133,10 @@ class TracedStage:
             "input_grad": (input_grad_needs, input_grads + carry),
             "weight_grad": (weight_grad_needs, flat_weight_grads),
         }
-        self._jit_compile = jit_compile
 
     def _cut_function(self, name: str) -> Callable:
         feeds, fetches = self._cuts[name]
-        return self._cutter.function(feeds, fetches, jit_compile=self._jit_compile)
+        return self._cutter.function(feeds, fetches)
 
     @functools.cached_property
     def backward(self) -> Callable:
@@ -170,19 +168,16 @@ class StageFunctions:
         differentiate_inputs: whether the backward computes gradients for the stage's
             float inputs (not needed for the first stage).
         remat: whether the backward replays the forward instead of keeping residuals.
-        jit_compile: compile each function with XLA for its device.
 
     Example:
         >>> functions = StageFunctions(stage, differentiate_inputs=True, remat=False)
-        >>> traced = functions.for_inputs(x)  # traces once; later calls reuse it
+        >>> traced = functions.for_inputs([x], x)  # traces once; later calls reuse it
     """
 
-    def __init__(self, stage, differentiate_inputs: bool, remat: bool, jit_compile: bool = False):
+    def __init__(self, stage, differentiate_inputs: bool, remat: bool):
         self.stage = stage
         self.differentiate_inputs = differentiate_inputs
         self.remat = remat
-        self.jit_compile = jit_compile
-        self.traces = 0
         self._traced = {}
         self._calls = {}  # training flag -> the stage's plain call as a tf.function
 
@@ -191,14 +186,8 @@ class StageFunctions:
         specs = [tf.TensorSpec(t.shape, t.dtype) for t in flat_inputs]
         key = (repr(tf.nest.map_structure(lambda _: 0, structure)), tuple(specs))
         if key not in self._traced:
-            self.traces += 1
             self._traced[key] = TracedStage(
-                self.stage,
-                structure,
-                specs,
-                self.differentiate_inputs,
-                self.remat,
-                self.jit_compile,
+                self.stage, structure, specs, self.differentiate_inputs, self.remat
             )
         return self._traced[key]
 
@@ -215,9 +204,7 @@ class StageFunctions:
         if function is None:
             stage = self.stage
             function = tf.function(
-                lambda stage_inputs: stage(stage_inputs, training=training),
-                autograph=False,
-                jit_compile=self.jit_compile or None,
+                lambda stage_inputs: stage(stage_inputs, training=training), autograph=False
             )
             self._calls[training] = function
         return function(inputs)
