@@ -1,0 +1,184 @@
+"""Benchmark: how long a pipeline takes to its first finished training step.
+
+For the reference Transformer (tokens of length 32, vocabulary 64, batch 64) at each of
+`--layers`, one device and a `--num_devices`-stage 1F1B pipeline at each of
+`--microbatches` (uniform partition), plus a hybrid `data=2,pipe=2` copy at the first m:
+seconds to trace the training step, seconds to its first finished run (graph
+optimisation and set-up included) and to a second run, the process's CPU seconds, and the
+size of the traced step (nodes in the step's graph, and with its functions). Each
+configuration runs in a fresh process, so nothing is shared between them.
+
+Prints JSON records; `--out` writes them, `--plot` draws start-up time against m.
+
+Example:
+    python scripts/benchmark_startup.py --out=/tmp/startup.json --plot=/tmp/startup.png
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+from absl import flags  # noqa: E402
+
+from tfmulti.flags.parsing import run_script  # noqa: E402
+
+SEQUENCE, VOCAB = 32, 64
+
+flags.DEFINE_list("layers", ["6", "12"], "Transformer layers of each model measured.")
+flags.DEFINE_list("microbatches", ["4", "8", "16", "32"], "Pipeline micro-batch counts m.")
+flags.DEFINE_integer("num_devices", 4, "Pipeline stages p (one per device).", lower_bound=2)
+flags.DEFINE_integer("batch_size", 64, "Rows per training step.", lower_bound=1)
+flags.DEFINE_boolean("hybrid", True, "Also measure a data=2,pipe=2 hybrid model.")
+flags.DEFINE_string("only", None, "Measure one configuration KIND:LAYERS:M in this process.")
+flags.DEFINE_string("out", None, "Write the JSON records to this file.")
+flags.DEFINE_string("plot", None, "Draw start-up seconds against m into this PNG.")
+FLAGS = flags.FLAGS
+
+
+def _build(kind: str, layers: int, microbatches: int):
+    from models import build_blocks, build_model
+    from tfmulti.devices import logical_device_names
+    from tfmulti.hybrid import HybridPipelineModel
+    from tfmulti.pipeline.runtime import PipelineModel, partition_blocks, stages_from_blocks
+
+    options = dict(num_layers=layers)
+    if kind == "one_device":
+        return build_model("transformer", (SEQUENCE,), VOCAB, seed=0, **options)
+    devices = logical_device_names("CPU")
+
+    def make_stages(num_stages):
+        blocks = build_blocks("transformer", (SEQUENCE,), VOCAB, seed=0, **options)
+        return stages_from_blocks(blocks, partition_blocks(blocks, num_stages).boundaries)
+
+    if kind == "pipeline":
+        p = FLAGS.num_devices
+        return PipelineModel(make_stages(p), devices[:p], microbatches, "1f1b")
+    return HybridPipelineModel(
+        lambda: make_stages(2), [devices[0:2], devices[2:4]], microbatches, "1f1b"
+    )
+
+
+def measure(kind: str, layers: int, microbatches: int) -> dict:
+    """Times tracing and the first two runs of one training step of one configuration."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, VOCAB, size=(FLAGS.batch_size, SEQUENCE + 1)).astype("int32")
+    data = (tf.constant(tokens[:, :-1]), tf.constant(tokens[:, 1:]))
+    model = _build(kind, layers, microbatches)
+    model.compile(
+        optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    model(data[0][:2])
+    order = getattr(model, "optimizer_variable_order", None)
+    model.optimizer.build(order() if order else model.trainable_variables)
+    step = tf.function(model.train_step, autograph=False)
+    wall, cpu = time.perf_counter(), time.process_time()
+    concrete = step.get_concrete_function(data)
+    trace_s = time.perf_counter() - wall
+    concrete(data)
+    first_step_s, first_step_cpu_s = time.perf_counter() - wall, time.process_time() - cpu
+    again = time.perf_counter()
+    concrete(data)
+    graph = concrete.graph.as_graph_def()
+    return {
+        "benchmark": "startup",
+        "kind": kind,
+        "layers": layers,
+        "microbatches": microbatches,
+        "trace_s": trace_s,
+        "first_step_s": first_step_s,
+        "first_step_cpu_s": first_step_cpu_s,
+        "second_step_s": time.perf_counter() - again,
+        "step_nodes": len(graph.node),
+        "total_nodes": len(graph.node) + sum(len(f.node_def) for f in graph.library.function),
+    }
+
+
+def _configurations() -> list[tuple[str, int, int]]:
+    counts = [int(value) for value in FLAGS.microbatches]
+    configurations = []
+    for layers in (int(value) for value in FLAGS.layers):
+        configurations.append(("one_device", layers, 1))
+        configurations += [("pipeline", layers, m) for m in counts]
+        if FLAGS.hybrid:
+            configurations.append(("hybrid", layers, counts[0]))
+    return configurations
+
+
+def _run_fresh(kind: str, layers: int, microbatches: int) -> dict:
+    command = [sys.executable, os.path.abspath(__file__), f"--only={kind}:{layers}:{microbatches}"]
+    command += [f"--num_devices={FLAGS.num_devices}", f"--batch_size={FLAGS.batch_size}"]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"{kind} layers={layers} m={microbatches} failed:\n{result.stderr}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def plot(records: list[dict], path: str) -> None:
+    """Start-up seconds against m, one line per model depth, one device as a level."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for index, layers in enumerate(sorted({r["layers"] for r in records})):
+        color = f"C{index}"
+        pipeline = sorted(
+            (r for r in records if r["layers"] == layers and r["kind"] == "pipeline"),
+            key=lambda r: r["microbatches"],
+        )
+        axis.plot(
+            [r["microbatches"] for r in pipeline],
+            [r["first_step_s"] for r in pipeline],
+            "o-",
+            color=color,
+            label=f"pipeline p={FLAGS.num_devices}, {layers} layers",
+        )
+        for r in records:
+            if r["layers"] == layers and r["kind"] == "one_device":
+                axis.axhline(
+                    r["first_step_s"], color=color, ls="--", label=f"one device, {layers} layers"
+                )
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("micro-batches m")
+    axis.set_ylabel("seconds to the first finished step")
+    axis.set_ylim(bottom=0)
+    axis.legend()
+    axis.set_title("Start-up: trace, optimise and run one training step")
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def main(argv):
+    del argv
+    from tfmulti.devices import configure_logical_devices
+    from tfmulti.tf_startup import start_tensorflow
+
+    if FLAGS.only:
+        kind, layers, microbatches = FLAGS.only.split(":")
+        start_tensorflow(2)
+        configure_logical_devices(max(FLAGS.num_devices, 4), device_type="CPU")
+        print(json.dumps(measure(kind, int(layers), int(microbatches))), flush=True)
+        return
+    records = []
+    for configuration in _configurations():
+        records.append(_run_fresh(*configuration))
+        print(json.dumps(records[-1]), flush=True)
+    if FLAGS.out:
+        with open(FLAGS.out, "w") as out_file:
+            json.dump(records, out_file, indent=1)
+    if FLAGS.plot:
+        plot(records, FLAGS.plot)
+
+
+if __name__ == "__main__":
+    run_script(main, (ValueError,))
