@@ -36,7 +36,7 @@ flags.DEFINE_integer("batch_size", 64, "Rows per training step.", lower_bound=1)
 flags.DEFINE_boolean("hybrid", True, "Also measure a data=2,pipe=2 hybrid model.")
 flags.DEFINE_string("only", None, "Measure one configuration KIND:LAYERS:M in this process.")
 flags.DEFINE_string("out", None, "Write the JSON records to this file.")
-flags.DEFINE_string("plot", None, "Draw start-up seconds against m into this PNG.")
+flags.DEFINE_string("plot", None, "Draw start-up CPU seconds against m into this PNG.")
 FLAGS = flags.FLAGS
 
 
@@ -123,7 +123,9 @@ def _run_fresh(kind: str, layers: int, microbatches: int) -> dict:
 
 
 def plot(records: list[dict], path: str) -> None:
-    """Start-up seconds against m, one line per model depth, one device as a level."""
+    """Start-up CPU seconds against m, one line per model depth, one device as a level.
+
+    CPU seconds, since wall time on a shared machine mostly measures the other jobs."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -138,7 +140,7 @@ def plot(records: list[dict], path: str) -> None:
         )
         axis.plot(
             [r["microbatches"] for r in pipeline],
-            [r["first_step_s"] for r in pipeline],
+            [r["first_step_cpu_s"] for r in pipeline],
             "o-",
             color=color,
             label=f"pipeline p={FLAGS.num_devices}, {layers} layers",
@@ -146,11 +148,14 @@ def plot(records: list[dict], path: str) -> None:
         for r in records:
             if r["layers"] == layers and r["kind"] == "one_device":
                 axis.axhline(
-                    r["first_step_s"], color=color, ls="--", label=f"one device, {layers} layers"
+                    r["first_step_cpu_s"],
+                    color=color,
+                    ls="--",
+                    label=f"one device, {layers} layers",
                 )
     axis.set_xscale("log", base=2)
     axis.set_xlabel("micro-batches m")
-    axis.set_ylabel("seconds to the first finished step")
+    axis.set_ylabel("CPU seconds to the first finished step")
     axis.set_ylim(bottom=0)
     axis.legend()
     axis.set_title("Start-up: trace, optimise and run one training step")
