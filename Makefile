@@ -22,7 +22,7 @@ demo: venv
 	$(BIN)/python scripts/train.py --strategy=pipeline --virtual_devices=4 \
 		--num_stages=4 --microbatches=8 --schedule=1f1b --partition=time \
 		--model=transformer --model_option=num_layers=6 --dataset=tokens \
-		--batch_size=64 --epochs=3 --steps_per_epoch=20 --trace_steps=3,4 \
+		--batch_size=64 --epochs=3 --steps_per_epoch=5 --trace_steps=3,4 \
 		--model_dir=$(DEMO_DIR)
 
 lint: venv
