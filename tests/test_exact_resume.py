@@ -88,16 +88,23 @@ def start_training(*args: str) -> subprocess.Popen:
     )
 
 
-def kill_after_step_checkpoint(
+def wait_for_step_checkpoint(
     process: subprocess.Popen, model_dir: str, global_step: int = 7
 ) -> None:
-    """SIGKILLs the run's process group as soon as the checkpoint of `global_step` is complete."""
+    """Returns as soon as the checkpoint of `global_step` is complete."""
     state = os.path.join(model_dir, "backup", f"step-{global_step:09d}.json")
     deadline = time.monotonic() + 240
     while not os.path.exists(state):
         assert process.poll() is None, "the run ended before its first step checkpoint"
         assert time.monotonic() < deadline, "no step checkpoint within 240 s"
         time.sleep(0.01)
+
+
+def kill_after_step_checkpoint(
+    process: subprocess.Popen, model_dir: str, global_step: int = 7
+) -> None:
+    """SIGKILLs the run's process group as soon as the checkpoint of `global_step` is complete."""
+    wait_for_step_checkpoint(process, model_dir, global_step)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
 
@@ -174,12 +181,7 @@ def test_state_file_names_the_position_and_holds_metrics_and_seed_states(uninter
 
 def terminate_after_step_checkpoint(process: subprocess.Popen, model_dir: str) -> int:
     """SIGTERMs the run once its first step checkpoint exists; returns the exit code."""
-    state = os.path.join(model_dir, "backup", "step-000000007.json")
-    deadline = time.monotonic() + 240
-    while not os.path.exists(state):
-        assert process.poll() is None, "the run ended before its first step checkpoint"
-        assert time.monotonic() < deadline, "no step checkpoint within 240 s"
-        time.sleep(0.01)
+    wait_for_step_checkpoint(process, model_dir)
     os.kill(process.pid, signal.SIGTERM)
     return process.wait(timeout=240)
 

@@ -127,18 +127,7 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
         str(tmp_path),
         "--run_seconds=60",
     ]
-    launcher = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        launcher.send_signal(signal.SIGTERM)
-        _, stderr = launcher.communicate(timeout=30)
-    finally:
-        launcher.kill()
-        launcher.wait()
+    launcher, stderr = _sigterm_launcher_once_workers_run(command, tmp_path)
     assert launcher.returncode == 128 + signal.SIGTERM
     assert "received SIGTERM" in stderr
     assert_no_survivors(tmp_path)
@@ -159,18 +148,7 @@ def test_sigterm_to_the_launcher_exits_42_once_the_workers_saved(tmp_path):
         "--run_seconds=60",
         "--save_on_sigterm",
     ]
-    launcher = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while len(list(pid_dir.iterdir())) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        launcher.send_signal(signal.SIGTERM)
-        _, stderr = launcher.communicate(timeout=30)
-    finally:
-        launcher.kill()
-        launcher.wait()
+    launcher, stderr = _sigterm_launcher_once_workers_run(command, pid_dir)
     # As a cluster manager reads it: saved, restart me.
     assert launcher.returncode == 42, stderr
     assert "workers saved a checkpoint and stopped (code 42" in stderr
@@ -226,3 +204,21 @@ def test_missing_worker_command_gives_one_line():
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert "after --" in result.stderr
+
+
+def _sigterm_launcher_once_workers_run(command: list[str], pid_dir) -> tuple:
+    """Starts the launcher, SIGTERMs it once both workers wrote their pid; returns it (ended)
+    and its stderr."""
+    launcher = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(pid_dir.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=30)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    return launcher, stderr
