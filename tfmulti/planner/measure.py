@@ -1,7 +1,9 @@
 """Measuring a reference model's block costs on this machine (imports TensorFlow).
 
 Each block is timed (forward, backward) with `measure_blocks` on real batches of the
-dataset at two batch sizes, and the times are fitted as fixed + per-example parts.
+dataset at two batch sizes, and the times are fitted as fixed + per-example parts. Each
+block's functions are traced once per size and timed `rounds` times; blocks that cost the
+same (a Transformer's layers) are timed once.
 """
 
 from __future__ import annotations
@@ -63,22 +65,15 @@ def measure_model_costs(
     blocks = registry.build_blocks(model, info.input_shape, info.num_classes, seed, **model_options)
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1. Received: rounds={rounds}")
-    # measured[size][round][block]
+    # measured[size][block]
     measured = [
-        [measure_blocks(blocks, source.x_train[:size]) for _ in range(rounds)]
-        for size in batch_sizes
+        measure_blocks(blocks, source.x_train[:size], rounds=rounds) for size in batch_sizes
     ]
     costs = []
     for index, block in enumerate(blocks):
-        forward = [min(run[index].forward_time for run in per_size) for per_size in measured]
-        # measure_blocks times forward alone and forward with backward; the backward is
-        # the difference of the fastest of each.
-        both = [
-            min(run[index].forward_time + run[index].backward_time for run in per_size)
-            for per_size in measured
-        ]
-        backward = [max(total - alone, 0.0) for total, alone in zip(both, forward, strict=True)]
-        largest = measured[-1][0][index]
+        forward = [per_size[index].forward_time for per_size in measured]
+        backward = [per_size[index].backward_time for per_size in measured]
+        largest = measured[-1][index]
         costs.append(
             BlockCost(
                 name=block.name,

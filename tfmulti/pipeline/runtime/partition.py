@@ -9,8 +9,10 @@ from collections.abc import Sequence
 import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 from tfmulti.pipeline.balance import Block, Partition, balance, parse_partition_spec
+from tfmulti.pipeline.runtime.cost_cache import CostCache, block_signature
 
 _TIMING_REPEATS = 3
 
@@ -64,6 +66,8 @@ def partition_blocks(
     sample_input=None,
     num_microbatches: int = 1,
     schedule: str = "1f1b",
+    cache: CostCache | None = None,
+    costs: Sequence[Block] | None = None,
 ) -> Partition:
     """Chooses stage boundaries for `blocks` with the balancer, costing the real blocks.
 
@@ -79,6 +83,8 @@ def partition_blocks(
         sample_input: one micro-batch of model input; needed by "params" and "time".
         num_microbatches: micro-batches per step, for the simulated step time.
         schedule: one-stage-per-device schedule name the balancer simulates.
+        cache: block timings kept between runs ("time" only).
+        costs: the blocks' costs, as `block_costs` gave them; measured here if None.
 
     Returns:
         The balancer's `Partition`; pass `partition.boundaries` to `stages_from_blocks`.
@@ -88,15 +94,8 @@ def partition_blocks(
         >>> stages = stages_from_blocks(blocks, partition.boundaries)
     """
     policy_name, boundaries = parse_partition_spec(policy)
-    if policy_name in ("params", "time"):
-        if sample_input is None:
-            raise ValueError(
-                f"Partition policy {policy_name!r} measures the blocks on a sample batch. "
-                "Received: sample_input=None; pass one micro-batch of inputs."
-            )
-        costs = measure_blocks(blocks, sample_input, time_blocks=policy_name == "time")
-    else:
-        costs = [Block(name=block.name) for block in blocks]
+    if costs is None:
+        costs = block_costs(blocks, policy, sample_input, cache)
     return balance(
         costs,
         num_stages,
@@ -107,18 +106,62 @@ def partition_blocks(
     )
 
 
-def measure_blocks(
-    blocks: Sequence[keras.layers.Layer], sample_input, time_blocks: bool = True
+def block_costs(
+    blocks: Sequence[keras.layers.Layer],
+    policy: str,
+    sample_input=None,
+    cache: CostCache | None = None,
 ) -> list[Block]:
-    """Parameter counts, output bytes and (optionally) forward/backward seconds per block."""
+    """The costs `policy` balances `blocks` by: measured for "params" and "time".
+
+    Example:
+        >>> costs = block_costs(blocks, "time", x[:16], CostCache("costs.json"))
+    """
+    policy_name, _ = parse_partition_spec(policy)
+    if policy_name not in ("params", "time"):
+        return [Block(name=block.name) for block in blocks]
+    if sample_input is None:
+        raise ValueError(
+            f"Partition policy {policy_name!r} measures the blocks on a sample batch. "
+            "Received: sample_input=None; pass one micro-batch of inputs."
+        )
+    return measure_blocks(blocks, sample_input, time_blocks=policy_name == "time", cache=cache)
+
+
+def measure_blocks(
+    blocks: Sequence[keras.layers.Layer],
+    sample_input,
+    time_blocks: bool = True,
+    rounds: int = 1,
+    cache: CostCache | None = None,
+) -> list[Block]:
+    """Parameter counts, output bytes and (optionally) forward/backward seconds per block.
+
+    Blocks that cost the same (equal `block_signature`: a Transformer's layers) are timed
+    once; with `cache`, blocks it holds are not timed at all and new timings are saved.
+
+    Args:
+        blocks: the model's blocks in order; measured on copies, so they stay unbuilt.
+        sample_input: the first block's input.
+        time_blocks: time forward and backward; otherwise both count 1.0.
+        rounds: times each block's traced functions are timed; the fastest round counts.
+        cache: timings kept between runs (`CostCache`).
+
+    Example:
+        >>> costs = measure_blocks(blocks, x[:16], cache=CostCache("costs.json"))
+    """
     costs = []
+    timings: dict[str, tuple[float, float]] = {}
+    counts = {"timed": 0, "same as another block": 0, "cached": 0}
     inputs = tf.nest.map_structure(tf.convert_to_tensor, sample_input)
     for block in blocks:
         copy = _fresh_copy(block)
         outputs = copy(inputs, training=True)
         forward_time = backward_time = 1.0
         if time_blocks:
-            forward_time, backward_time = time_block(copy, inputs)
+            forward_time, backward_time = _block_seconds(
+                copy, inputs, rounds, cache, timings, counts
+            )
         costs.append(
             Block(
                 forward_time=forward_time,
@@ -131,7 +174,47 @@ def measure_blocks(
             )
         )
         inputs = outputs
+    if time_blocks:
+        _report_timings(counts, cache)
     return costs
+
+
+def _block_seconds(copy, inputs, rounds, cache, timings, counts) -> tuple[float, float]:
+    """`copy`'s (forward, backward) seconds: timed before in this call, cached, or timed now."""
+    signature = block_signature(copy, inputs)
+    if signature in timings:
+        counts["same as another block"] += 1
+        return timings[signature]
+    seconds = cache.get(signature) if cache is not None else None
+    if seconds is None:
+        seconds = time_block(copy, inputs, rounds=rounds)
+        counts["timed"] += 1
+        if cache is not None:
+            cache.put(signature, seconds, f"{type(copy).__name__} {copy.name}")
+    else:
+        counts["cached"] += 1
+    timings[signature] = seconds
+    return seconds
+
+
+def _report_timings(counts: dict[str, int], cache: CostCache | None) -> None:
+    if cache is None:
+        logging.info("Block timing: %s.", _counted(counts))
+        return
+    cache.save()
+    if counts["timed"]:
+        logging.info("Block timing: %s; saved to %s.", _counted(counts), cache.path)
+    else:
+        logging.info(
+            "Block timing: used the cached costs in %s (%s); remeasure=True "
+            "(--remeasure_partition) times the blocks again.",
+            cache.path,
+            _counted(counts),
+        )
+
+
+def _counted(counts: dict[str, int]) -> str:
+    return ", ".join(f"{count} {kind}" for kind, count in counts.items() if count)
 
 
 def _fresh_copy(block: keras.layers.Layer) -> keras.layers.Layer:
@@ -145,8 +228,13 @@ def _fresh_copy(block: keras.layers.Layer) -> keras.layers.Layer:
         ) from error
 
 
-def time_block(block: keras.layers.Layer, inputs) -> tuple[float, float]:
-    """Returns the median (forward, backward) seconds of `block` on `inputs`, traced."""
+def time_block(block: keras.layers.Layer, inputs, rounds: int = 1) -> tuple[float, float]:
+    """Returns (forward, backward) seconds of `block` on `inputs`, traced.
+
+    Each round takes the median of `_TIMING_REPEATS` calls; the fastest round counts,
+    since other processes on the machine only ever slow a block down. The backward is
+    forward+backward less forward.
+    """
     differentiable = [t for t in tf.nest.flatten(inputs) if t.dtype.is_floating]
 
     @tf.function(autograph=False)
@@ -157,7 +245,7 @@ def time_block(block: keras.layers.Layer, inputs) -> tuple[float, float]:
     def forward_and_backward():
         with tf.GradientTape() as tape:
             tape.watch(differentiable)
-            outputs = [t for t in tf.nest.flatten(block(inputs, training=True))]
+            outputs = tf.nest.flatten(block(inputs, training=True))
             target = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in outputs])
         gradients = tape.gradient(target, differentiable + block.trainable_variables)
         # Embedding gradients arrive as IndexedSlices; densify so the timing waits for them.
@@ -165,12 +253,15 @@ def time_block(block: keras.layers.Layer, inputs) -> tuple[float, float]:
 
     def seconds(function):
         function()
-        times = []
-        for _ in range(_TIMING_REPEATS):
-            start = time.perf_counter()
-            tf.nest.map_structure(lambda t: t.numpy(), function())
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        medians = []
+        for _ in range(rounds):
+            times = []
+            for _ in range(_TIMING_REPEATS):
+                start = time.perf_counter()
+                tf.nest.map_structure(lambda t: t.numpy(), function())
+                times.append(time.perf_counter() - start)
+            medians.append(statistics.median(times))
+        return min(medians)
 
     forward_time = seconds(forward)
     return forward_time, max(seconds(forward_and_backward) - forward_time, 0.0)
