@@ -213,13 +213,16 @@ def test_measured_communication_bytes_equal_the_analytic_count(kind, num_shards)
     assert measured.forward > 0 and measured.backward > 0
 
 
-def test_parallel_mlp_moves_one_reduction_and_one_broadcast_of_the_activations_each_way():
+def test_parallel_mlp_moves_a_broadcast_and_an_all_reduce_forward_and_two_all_reduces_back():
     for num_shards in (2, 4):
         mlp = ParallelMLP(64, 256, resolve_shard_devices(num_shards))
         activation_bytes = BATCH * LENGTH * 64 * 4
-        expected = 2 * (num_shards - 1) * activation_bytes
+        # A ring all-reduce delivered home: a reduce-scatter ((K-1) x bytes) and the K-1
+        # chunks not on home gathered there; backward, the same bytes the other way.
+        all_reduce = (num_shards - 1) * activation_bytes * (num_shards + 1) // num_shards
+        broadcast = (num_shards - 1) * activation_bytes
         cost = mlp.communication_bytes((BATCH, LENGTH, 64))
-        assert (cost.forward, cost.backward) == (expected, expected)
+        assert (cost.forward, cost.backward) == (broadcast + all_reduce, 2 * all_reduce)
 
 
 @pytest.mark.parametrize(

@@ -2,10 +2,12 @@
 
 Shards live on `devices`; the layer's input and output live on `devices[0]` (the home
 device). `fan_out` and `reduce_partial_sums` are the broadcast and reduce of Megatron's
-f and g operators; `scatter` and `gather` split and join along an axis. Every step is one
-group of ops on the home device; the tensor a shard reads crosses to the shard's device
-once (TensorFlow sends one copy per tensor and destination device). In backward the
-roles swap: a fan-out's gradients are reduced, a scatter's gathered and vice versa.
+f and g operators; `scatter` and `gather` split and join along an axis. `fan_out`,
+`scatter` and `gather` are one group of ops on the home device; the tensor a shard reads
+crosses to the shard's device once (TensorFlow sends one copy per tensor and destination
+device). `reduce_partial_sums` is a ring all-reduce (`ring`), so no device receives more
+than 2(K-1)/K of the tensor. In backward the roles swap: a fan-out's gradients are
+reduced, a scatter's gathered and vice versa.
 """
 
 from __future__ import annotations
@@ -14,15 +16,25 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+from tfmulti.parallel import ring
+
 
 def reduce_partial_sums(partials: Sequence[tf.Tensor], devices: Sequence[str]) -> tf.Tensor:
-    """Returns the sum of the K partial results on devices[0] (reduce-to-one-device).
+    """Returns the sum of the K partial results (partial k on device k) on devices[0].
 
-    The single place that picks the collective: K-1 partials each cross to the home
-    device once. A real all-reduce (e.g. NCCL) would replace this function.
+    The single place that picks the collective: a ring all-reduce of placed ops, a
+    reduce-scatter (device c sums chunk c of the last axis) whose all-gather delivers
+    to the home device only, as only the home device reads the sum (bias, residual and
+    normalization run there). Every device receives (K-1)/K of the tensor, the home
+    device twice that; backward, the gradient is scattered from home and all-gathered
+    round the ring. A last axis shorter than K (or unknown) is summed on the home device.
+    TensorFlow's collective ops (`CollectiveReduceV2`) are not used: on logical CPU
+    devices a traced step running them never finished (see BUILD.md).
     """
-    with tf.device(devices[0]):
-        return tf.add_n(list(partials))
+    if not ring.can_chunk(partials[0].shape, len(devices)) or len(devices) == 1:
+        with tf.device(devices[0]):
+            return tf.add_n(list(partials))
+    return gather(ring.reduce_scatter(partials, devices), devices)
 
 
 def fan_out(tensor: tf.Tensor, devices: Sequence[str]) -> list[tf.Tensor]:
@@ -68,7 +80,8 @@ def gather(shards: Sequence[tf.Tensor], devices: Sequence[str], axis: int = -1) 
     @tf.custom_gradient
     def concat_with_split_gradient(*pieces):
         def gradient(joined_gradient):
-            return tf.split(joined_gradient, len(pieces), axis)
+            sizes = [piece.shape[axis] for piece in pieces]
+            return tf.split(joined_gradient, len(pieces) if None in sizes else sizes, axis)
 
         return tf.concat(pieces, axis), gradient
 

@@ -4,7 +4,7 @@ The measured count reads a traced graph: every tensor an op reads from another d
 one transfer of `num_elements * dtype.size` bytes, counted once per (tensor, destination
 device), as TensorFlow's graph partitioner sends it once. Constants are not counted
 (each device gets its own) nor are resource handles (reading a variable runs on the
-variable's device).
+variable's device); a captured tensor starts on its value's device.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
+from tfmulti.parallel import ring
 from tfmulti.parallel.shard_devices import device_key
 
 
@@ -43,6 +44,18 @@ def cross_device_bytes(graph: tf.Graph, unplaced_device: str) -> int:
         unplaced_device: where TensorFlow puts ops with no device of their own (the
             default device, or the device scope the graph was traced under).
     """
+    return sum(received_bytes(graph, unplaced_device).values())
+
+
+def received_bytes(graph: tf.Graph, unplaced_device: str) -> dict[tuple[str, int], int]:
+    """Returns the bytes each device receives from other devices in `graph`, by `device_key`.
+
+    Args are those of `cross_device_bytes`; devices that receive nothing are left out.
+
+    Example:
+        >>> received_bytes(step.get_concrete_function(spec).graph, "/CPU:0")
+        {('CPU', 0): 1536, ('CPU', 1): 768}
+    """
     captured_devices = {
         id(internal): external.device
         for external, internal in getattr(graph, "captures", ())
@@ -50,6 +63,10 @@ def cross_device_bytes(graph: tf.Graph, unplaced_device: str) -> int:
     }
 
     def device_of(op) -> tuple[str, int]:
+        if op.type == "Placeholder" and id(op.outputs[0]) in captured_devices:
+            # A captured tensor is fed from where its value is, whatever device the
+            # placeholder was traced with.
+            return device_key(captured_devices[id(op.outputs[0])])
         if op.device:
             return device_key(op.device)
         for tensor in op.inputs:
@@ -59,7 +76,7 @@ def cross_device_bytes(graph: tf.Graph, unplaced_device: str) -> int:
         return device_key(unplaced_device)
 
     sent = set()
-    total = 0
+    received = {}
     for op in graph.get_operations():
         destination = device_of(op)
         for tensor in op.inputs:
@@ -74,8 +91,34 @@ def cross_device_bytes(graph: tf.Graph, unplaced_device: str) -> int:
                     f"shape. Received: tensor {tensor.name} of shape {tensor.shape}"
                 )
             sent.add((tensor.name, destination))
-            total += tensor_bytes(tensor.shape, tensor.dtype)
-    return total
+            received[destination] = received.get(destination, 0) + tensor_bytes(
+                tensor.shape, tensor.dtype
+            )
+    return received
+
+
+def reduction_bytes(shape: Sequence[int], dtype, num_devices: int) -> CommunicationBytes:
+    """Bytes `collectives.reduce_partial_sums` moves to sum K tensors of `shape` on the home device.
+
+    Forward, the ring reduce-scatter moves each of the K chunks K-1 steps, (K-1) x S, and
+    the gather home the K-1 chunks not on it; backward mirrors it (scatter from home,
+    all-gather). A last axis shorter than K is summed on the home device: (K-1) x S each way.
+    """
+    whole = tensor_bytes(shape, dtype)
+    moved = (num_devices - 1) * whole
+    if num_devices > 1 and ring.can_chunk(tf.TensorShape(shape), num_devices):
+        home_chunk = ring.chunk_sizes(shape[-1], num_devices)[0]
+        moved += whole - tensor_bytes((*shape[:-1], home_chunk), dtype)
+    return CommunicationBytes(moved, moved)
+
+
+def fan_out_bytes(shape: Sequence[int], dtype, num_devices: int) -> CommunicationBytes:
+    """Bytes `collectives.fan_out` moves: the tensor to K-1 devices; backward, the K
+    gradients reduced home (`reduction_bytes`). Integer tensors have no backward."""
+    forward = (num_devices - 1) * tensor_bytes(shape, dtype)
+    if not tf.as_dtype(dtype).is_floating:
+        return CommunicationBytes(forward, 0)
+    return CommunicationBytes(forward, reduction_bytes(shape, dtype, num_devices).forward)
 
 
 def measure_communication(layer, input_spec) -> CommunicationBytes:

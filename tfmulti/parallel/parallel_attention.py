@@ -10,7 +10,7 @@ from keras import ops
 
 from tfmulti.parallel.causal_attention import attend_causally
 from tfmulti.parallel.collectives import fan_out, reduce_partial_sums
-from tfmulti.parallel.communication import CommunicationBytes, tensor_bytes
+from tfmulti.parallel.communication import fan_out_bytes, reduction_bytes
 from tfmulti.parallel.device_compute import run_on_device
 from tfmulti.parallel.shard_devices import check_divisible
 from tfmulti.parallel.sharded_layer import TensorParallelLayer
@@ -24,7 +24,7 @@ class ParallelSelfAttention(TensorParallelLayer):
 
     Device k holds its heads' columns of the query, key and value projections and their
     rows of the output projection, so its heads' attention needs nothing from other
-    devices; the K partial outputs are summed on the home device, where the output
+    devices; the K partial outputs are all-reduced to the home device, where the output
     bias is added. Weights are laid out as four unsplit Dense layers (query, key,
     value, output projection; kernel then bias), heads in order.
 
@@ -116,10 +116,11 @@ class ParallelSelfAttention(TensorParallelLayer):
         return input_shape
 
     def communication_bytes(self, input_shape):
-        """Forward: the input out to K-1 devices and K-1 partial outputs home (one
-        all-reduce as reduce-to-one plus broadcast); backward the same."""
-        moved = 2 * (self.num_shards - 1) * tensor_bytes(input_shape, self.compute_dtype)
-        return CommunicationBytes(moved, moved)
+        """Forward: the input out to K-1 devices and the partial outputs all-reduced home;
+        backward: the output gradient out and the input gradients all-reduced home."""
+        return fan_out_bytes(input_shape, self.compute_dtype, self.num_shards) + reduction_bytes(
+            input_shape, self.compute_dtype, self.num_shards
+        )
 
     def get_config(self):
         config = super().get_config()

@@ -17,7 +17,7 @@ class ParallelMLP(TensorParallelLayer):
 
     Device k holds mlp_dim/K hidden units: their columns of the first kernel and rows
     of the second. The hidden activations never leave their device; only the input
-    (sent out) and the partial outputs (summed on the home device) cross.
+    (sent out) and the partial outputs (all-reduced to the home device) cross.
 
     Args:
         d_model: input and output width.
@@ -73,8 +73,8 @@ class ParallelMLP(TensorParallelLayer):
         return (*input_shape[:-1], self.d_model)
 
     def communication_bytes(self, input_shape):
-        """Forward: the input out to K-1 devices and K-1 partial outputs home, i.e. one
-        all-reduce of the activations as reduce-to-one plus broadcast; backward the same."""
+        """Forward: the input out to K-1 devices and the partial outputs all-reduced home;
+        backward: the output gradient out and the input gradients all-reduced home."""
         hidden_shape = (*input_shape[:-1], self.mlp_dim)
         return self.hidden.communication_bytes(
             input_shape

@@ -9,7 +9,12 @@ import keras
 from keras import ops
 
 from tfmulti.parallel.collectives import fan_out, gather, reduce_partial_sums, scatter
-from tfmulti.parallel.communication import CommunicationBytes, tensor_bytes
+from tfmulti.parallel.communication import (
+    CommunicationBytes,
+    fan_out_bytes,
+    reduction_bytes,
+    tensor_bytes,
+)
 from tfmulti.parallel.device_compute import run_on_device
 from tfmulti.parallel.shard_devices import check_divisible
 from tfmulti.parallel.sharded_layer import TensorParallelLayer
@@ -127,13 +132,14 @@ class ColumnParallelDense(_SplitDense):
     def communication_bytes(self, input_shape):
         """Forward: the input to K-1 devices, and with `gather_output` K-1 output slices home.
 
-        Backward mirrors it: K-1 input gradients reduced home, K-1 output-gradient slices out.
+        Backward: the K input gradients all-reduced home, K-1 output-gradient slices out.
         """
-        moved = (self.num_shards - 1) * tensor_bytes(input_shape, self.compute_dtype)
+        moved = fan_out_bytes(input_shape, self.compute_dtype, self.num_shards)
         if self.gather_output:
             output_shape = (*input_shape[:-1], self.units // self.num_shards)
-            moved += (self.num_shards - 1) * tensor_bytes(output_shape, self.compute_dtype)
-        return CommunicationBytes(moved, moved)
+            slices = (self.num_shards - 1) * tensor_bytes(output_shape, self.compute_dtype)
+            moved += CommunicationBytes(slices, slices)
+        return moved
 
     def get_config(self):
         config = super().get_config()
@@ -146,8 +152,8 @@ class RowParallelDense(_SplitDense):
     """A dense layer whose input features are split over devices; partial products are summed.
 
     Device k multiplies its slice of the input by its rows of the kernel; the K partial
-    products are summed on the home device (`reduce_partial_sums`), where the bias and
-    activation apply.
+    products are all-reduced to the home device (`reduce_partial_sums`), where the bias
+    and activation apply.
 
     Args:
         units: output features.
@@ -206,17 +212,18 @@ class RowParallelDense(_SplitDense):
         return (*first_shape[:-1], self.units)
 
     def communication_bytes(self, input_shape):
-        """Forward: K-1 partial outputs to the home device, after (unless the input is
-        parallel) K-1 input slices out. Backward mirrors it.
+        """Forward: the partial outputs all-reduced to the home device, after (unless the
+        input is parallel) K-1 input slices out. Backward mirrors it.
 
         `input_shape` is the unsplit input's shape, also when the input comes in slices.
         """
         output_shape = (*input_shape[:-1], self.units)
-        moved = (self.num_shards - 1) * tensor_bytes(output_shape, self.compute_dtype)
+        moved = reduction_bytes(output_shape, self.compute_dtype, self.num_shards)
         if not self.input_is_parallel:
             slice_shape = (*input_shape[:-1], input_shape[-1] // self.num_shards)
-            moved += (self.num_shards - 1) * tensor_bytes(slice_shape, self.compute_dtype)
-        return CommunicationBytes(moved, moved)
+            slices = (self.num_shards - 1) * tensor_bytes(slice_shape, self.compute_dtype)
+            moved += CommunicationBytes(slices, slices)
+        return moved
 
     def get_config(self):
         config = super().get_config()

@@ -9,7 +9,7 @@ import keras
 from keras import ops
 
 from tfmulti.parallel.collectives import fan_out, reduce_partial_sums
-from tfmulti.parallel.communication import CommunicationBytes, tensor_bytes
+from tfmulti.parallel.communication import fan_out_bytes, reduction_bytes
 from tfmulti.parallel.device_compute import run_on_device
 from tfmulti.parallel.shard_devices import check_divisible
 from tfmulti.parallel.sharded_layer import TensorParallelLayer
@@ -87,13 +87,11 @@ class VocabParallelEmbedding(TensorParallelLayer):
         return (*input_shape, self.output_dim)
 
     def communication_bytes(self, input_shape):
-        """Forward: the int32 ids out to K-1 devices and K-1 partial embeddings home.
-        Backward: the output gradient out to K-1 devices (ids have no gradient)."""
-        output_bytes = tensor_bytes((*input_shape, self.output_dim), self.compute_dtype)
-        ids_bytes = tensor_bytes(input_shape, "int32")
-        return CommunicationBytes(
-            (self.num_shards - 1) * (ids_bytes + output_bytes),
-            (self.num_shards - 1) * output_bytes,
+        """Forward: the int32 ids out to K-1 devices and the partial embeddings all-reduced
+        home. Backward: the output gradient back out (ids have no gradient)."""
+        output_shape = (*input_shape, self.output_dim)
+        return fan_out_bytes(input_shape, "int32", self.num_shards) + reduction_bytes(
+            output_shape, self.compute_dtype, self.num_shards
         )
 
     def get_config(self):
