@@ -31,6 +31,8 @@ from tfmulti.pipeline.actions import (
     Schedule,
 )
 from tfmulti.pipeline.dependencies import run_in_order
+from tfmulti.pipeline.rolling import roll_schedule
+from tfmulti.pipeline.runtime.rolled_step import run_rolled
 from tfmulti.pipeline.runtime.stage_functions import Feed, StageFunctions, is_differentiable
 
 
@@ -116,6 +118,9 @@ class ScheduleExecutor:
         schedule: the schedule to run.
         remat: per stage, whether its backward replays the forward instead of keeping the
             forward's intermediate tensors.
+        rolled: run the schedule's steady state as a loop of rounds (`roll_schedule`), so
+            the traced step does not grow with micro-batches; None or True: whenever the
+            schedule has one and the micro-batches are equal, False: never.
     """
 
     def __init__(
@@ -124,6 +129,7 @@ class ScheduleExecutor:
         stage_device_names: Sequence[str],
         schedule: Schedule,
         remat: Sequence[bool],
+        rolled: bool | None = None,
     ):
         self.stages = list(stages)
         self.stage_device_names = list(stage_device_names)
@@ -135,6 +141,7 @@ class ScheduleExecutor:
             StageFunctions(stage, index > 0, self.remat[index])
             for index, stage in enumerate(self.stages)
         ]
+        self.rolled = roll_schedule(schedule) if rolled is not False else None
 
     def run(
         self,
@@ -145,25 +152,48 @@ class ScheduleExecutor:
         """Traces the schedule on `microbatch_inputs`.
 
         Args:
-            microbatch_inputs: one input nest per micro-batch.
+            microbatch_inputs: one input nest per micro-batch; a `MicrobatchParts` of
+                equal parts also takes a tensor index, which lets a rolled schedule run its
+                steady state as a loop.
             loss_fn: `(microbatch, outputs) -> (loss, differentiated_loss)`; the second is
                 what the backward differentiates (e.g. loss / m, times a loss scale).
-            trace: also return start and end timestamps of every action.
+                `microbatch` is an int, or an int32 tensor inside a rolled loop.
+            trace: also return start and end timestamps of every action (the step is then
+                traced unrolled).
         """
         run = _StepBuilder(self, microbatch_inputs, loss_fn, trace)
+        if self.rolled is not None and not trace and getattr(microbatch_inputs, "equal", False):
+            return run_rolled(run, self.rolled)
         for action in self.order:
             run.build(action)
         return run.result()
 
+    def traced_stages(self, first_inputs) -> list:
+        """Each stage's `TracedStage` for micro-batches like `first_inputs`, traced in
+        stage order (each stage's inputs are the previous stage's outputs)."""
+        flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(first_inputs)]
+        specs, structure = [tf.TensorSpec(t.shape, t.dtype) for t in flat], first_inputs
+        traced_stages = []
+        for functions in self.stage_functions:
+            traced = functions.for_specs(specs, structure)
+            traced_stages.append(traced)
+            specs, structure = traced.output_specs()
+        return traced_stages
+
 
 class _StepBuilder:
-    """The state of one traced step: stashed residuals, gradients in flight, device gates."""
+    """The state of one traced step: stashed residuals, gradients in flight, device gates.
+
+    Actions name micro-batches by labels; `index_of(label)` is the micro-batch a label
+    stands for (the label itself, or label + round * stride inside a rolled loop's body).
+    """
 
     def __init__(self, executor: ScheduleExecutor, microbatch_inputs, loss_fn, trace: bool):
         self.executor = executor
-        self.inputs = list(microbatch_inputs)
+        self.inputs = microbatch_inputs
         self.loss_fn = loss_fn
         self.trace = trace
+        self.index_of = lambda label: label
         self.last_stage = len(executor.stages) - 1
         self.activations = {}  # (stage, microbatch) -> _Stash
         self.input_grads = {}  # (stage, microbatch) -> gradients w.r.t. flat stage inputs
@@ -171,8 +201,8 @@ class _StepBuilder:
         self.device_gate = {}  # device -> tensors the next action on it must wait for
         self.accumulated = {}  # variable id -> gradient sum
         self.variables = {}  # variable id -> variable, in first-seen order
-        self.outputs = [None] * len(self.inputs)
-        self.losses = [None] * len(self.inputs)
+        self.outputs = {}  # microbatch -> last-stage outputs
+        self.losses = {}  # microbatch -> loss
         self.stamps = {}
 
     def build(self, action: Action) -> None:
@@ -199,7 +229,7 @@ class _StepBuilder:
 
     def _stage_inputs(self, stage: int, microbatch: int):
         if stage == 0:
-            return self.inputs[microbatch]
+            return self.inputs[self.index_of(microbatch)]
         return self.activations[(stage - 1, microbatch)].outputs
 
     def _arriving_tensors(self, action: Action) -> list:
@@ -217,15 +247,19 @@ class _StepBuilder:
         traced = self.executor.stage_functions[stage].for_inputs(flat_inputs, stage_inputs)
         results = traced.forward(*flat_inputs)
         outputs = tf.nest.pack_sequence_as(traced.output_structure, results[: traced.num_outputs])
-        stash = _Stash(traced, flat_inputs, results[traced.num_outputs :], outputs)
+        stash = _Stash(traced, flat_inputs, list(results[traced.num_outputs :]), outputs)
         self.activations[(stage, microbatch)] = stash
         produced = _tensors(outputs)
         if stage == self.last_stage:
-            stash.differentiable_outputs = [t for t in _tensors(outputs) if is_differentiable(t)]
-            with tf.GradientTape() as stash.loss_tape:
-                stash.loss_tape.watch(stash.differentiable_outputs)
-                loss, differentiated = self.loss_fn(microbatch, outputs)
-            stash.differentiated_loss = differentiated
+            # The loss and its gradient are computed with the forward: the backward may run
+            # in a later round of a rolled loop, which carries tensors, not tapes.
+            differentiable = [t for t in _tensors(outputs) if is_differentiable(t)]
+            with tf.GradientTape() as loss_tape:
+                loss_tape.watch(differentiable)
+                loss, differentiated = self.loss_fn(self.index_of(microbatch), outputs)
+            stash.output_grads = loss_tape.gradient(
+                differentiated, differentiable, unconnected_gradients=tf.UnconnectedGradients.ZERO
+            )
             self.outputs[microbatch] = outputs
             self.losses[microbatch] = loss
             produced.append(differentiated)
@@ -234,11 +268,7 @@ class _StepBuilder:
     def _output_grads(self, stage: int, microbatch: int, stash: _Stash) -> list:
         if stage < self.last_stage:
             return self.input_grads.pop((stage + 1, microbatch))
-        return stash.loss_tape.gradient(
-            stash.differentiated_loss,
-            stash.differentiable_outputs,
-            unconnected_gradients=tf.UnconnectedGradients.ZERO,
-        )
+        return stash.output_grads
 
     def _backward(self, action: Action, split: bool) -> list:
         key = (action.stage, action.microbatch)
@@ -247,13 +277,13 @@ class _StepBuilder:
         sources = {
             "input": stash.inputs,
             "residual": stash.residuals,
-            "output_grad": self._output_grads(*key, stash),
+            "output_grad": list(self._output_grads(*key, stash)),
         }
         if split:
             results = traced.input_grad(*_gather(traced.input_grad_feeds, sources))
             input_grads = results[: traced.num_input_grads]
-            self.input_grads[key] = input_grads
-            self.carried[key] = dict(sources, carry=results[traced.num_input_grads :])
+            self._hand_back(key, input_grads)
+            self.carried[key] = dict(sources, carry=list(results[traced.num_input_grads :]))
             return list(input_grads)
         results = traced.backward(*_gather(traced.backward_feeds, sources))
         del self.activations[key]
@@ -263,8 +293,13 @@ class _StepBuilder:
         # A whole backward hands its input gradient on when its sums are done, as planned.
         with tf.control_dependencies(sums):
             input_grads = [tf.identity(g) for g in results[: traced.num_input_grads]]
-        self.input_grads[key] = input_grads
+        self._hand_back(key, input_grads)
         return input_grads + sums
+
+    def _hand_back(self, key: tuple[int, int], input_grads) -> None:
+        """Keeps a stage's input gradients for the previous stage (the first has none)."""
+        if key[0] > 0:
+            self.input_grads[key] = list(input_grads)
 
     def _weight_grad(self, action: Action) -> list:
         key = (action.stage, action.microbatch)
@@ -282,11 +317,66 @@ class _StepBuilder:
             sums.append(_tensor_part(self.accumulated[key]))
         return sums
 
+    def carried_state(self, shift: int = 0) -> dict:
+        """What is in flight between actions, as a nest of tensors keyed by (stage, label),
+        each label moved by `shift`; each device's gate becomes one token tensor."""
+        executor = self.executor
+        tokens = {}
+        for stage, device in enumerate(executor.device_of_stage):
+            if device in tokens:
+                continue
+            with tf.device(executor.stage_device_names[stage]):
+                with tf.control_dependencies(self.device_gate.get(device, [])):
+                    tokens[device] = tf.zeros([], tf.float32)
+        return {
+            "stash": {
+                (stage, label + shift): (
+                    list(stash.inputs),
+                    list(stash.residuals),
+                    tf.nest.flatten(stash.outputs),
+                    list(stash.output_grads),
+                )
+                for (stage, label), stash in self.activations.items()
+            },
+            "gradient": {
+                (stage, label + shift): list(grads)
+                for (stage, label), grads in self.input_grads.items()
+            },
+            "carry": {
+                (stage, label + shift): {name: list(values) for name, values in carry.items()}
+                for (stage, label), carry in self.carried.items()
+            },
+            "gates": tokens,
+        }
+
+    def restore_state(self, state: dict, traced_stages: Sequence, shift: int = 0) -> None:
+        """Takes back a `carried_state` (labels moved by `shift`), e.g. a loop's variables."""
+        self.activations = {}
+        for (stage, label), (inputs, residuals, outputs, output_grads) in state["stash"].items():
+            traced = traced_stages[stage]
+            self.activations[(stage, label + shift)] = _Stash(
+                traced,
+                list(inputs),
+                list(residuals),
+                tf.nest.pack_sequence_as(traced.output_structure, list(outputs)),
+                list(output_grads),
+            )
+        self.input_grads = {
+            (stage, label + shift): list(grads)
+            for (stage, label), grads in state["gradient"].items()
+        }
+        self.carried = {
+            (stage, label + shift): {name: list(values) for name, values in carry.items()}
+            for (stage, label), carry in state["carry"].items()
+        }
+        self.device_gate = {device: [token] for device, token in state["gates"].items()}
+
     def result(self) -> StepResult:
         keys = list(self.variables)
+        count = len(self.inputs)
         return StepResult(
-            outputs=self.outputs,
-            losses=self.losses,
+            outputs=[self.outputs[index] for index in range(count)],
+            losses=[self.losses[index] for index in range(count)],
             gradients=[self.accumulated[key] for key in keys],
             variables=[self.variables[key] for key in keys],
             stamps=self.stamps if self.trace else None,
@@ -295,12 +385,11 @@ class _StepBuilder:
 
 @dataclasses.dataclass
 class _Stash:
-    """What a stage's forward on one micro-batch leaves for its backward."""
+    """What a stage's forward on one micro-batch leaves for its backward (the last stage's
+    also holds the gradient of its loss with respect to its outputs)."""
 
     traced: object
     inputs: list
     residuals: list
     outputs: object
-    differentiable_outputs: list = dataclasses.field(default_factory=list)
-    loss_tape: tf.GradientTape | None = None
-    differentiated_loss: tf.Tensor | None = None
+    output_grads: list = dataclasses.field(default_factory=list)

@@ -126,3 +126,52 @@ def concat_microbatches(nests: list):
     if len(nests) == 1:
         return nests[0]
     return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *nests)
+
+
+class MicrobatchParts:
+    """A batch nest cut into micro-batches, indexable by a Python int or an int32 tensor.
+
+    A tensor index (a micro-batch chosen inside a traced loop) needs parts of one size: the
+    batch is then viewed as [parts, rows per part, ...] and the part gathered from it.
+
+    Args:
+        nest: a nest of tensors with the same number of rows, or None.
+        sizes: rows of each part, from `microbatch_sizes` or `even_sizes`.
+
+    Example:
+        >>> x_parts = MicrobatchParts(x, microbatch_sizes(x, 4))
+        >>> x_parts[0], x_parts[tf.constant(2)]
+    """
+
+    def __init__(self, nest, sizes):
+        self.sizes = sizes
+        self.parts = split_padded_microbatches(nest, sizes)
+        self.equal = isinstance(sizes, list) and min(sizes) > 0 and len(set(sizes)) == 1
+        self._nest = nest
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def __getitem__(self, index):
+        if not isinstance(index, tf.Tensor):
+            return self.parts[index]
+        if not self.equal:
+            raise ValueError(
+                "Micro-batches picked by a tensor index must all have the same size. "
+                f"Received: sizes={self.sizes}; this is a tfmulti bug."
+            )
+        count, rows = len(self.parts), self.sizes[0]
+
+        def part(t):
+            if t is None:
+                return None
+            stacked = tf.reshape(t, tf.concat([[count, rows], tf.shape(t)[1:]], axis=0))
+            return tf.ensure_shape(tf.gather(stacked, index), [rows, *t.shape[1:]])
+
+        return tf.nest.map_structure(part, self._nest)
+
+    def rows(self, index):
+        """Rows of part `index` (a Python int, or an int32 tensor for equal parts)."""
+        if isinstance(index, tf.Tensor):
+            return self.sizes[0]
+        return self.sizes[index]

@@ -23,12 +23,12 @@ from tfmulti.pipeline.runtime.loss_shares import (
     loss_share,
 )
 from tfmulti.pipeline.runtime.microbatches import (
+    MicrobatchParts,
     batch_rows,
     concat_microbatches,
     even_sizes,
     microbatch_sizes,
     split_microbatches,
-    split_padded_microbatches,
     trim_microbatches,
 )
 from tfmulti.pipeline.runtime.model_stages import stages_from_model
@@ -204,9 +204,9 @@ class PipelineModel(keras.Model):
         else:
             sizes = even_sizes(rows, self.num_microbatches)
         # Fewer rows than micro-batches leaves some with none: they run on a padding row.
-        x_parts = split_padded_microbatches(x, sizes)
-        y_parts = split_padded_microbatches(y, sizes)
-        weight_parts = split_padded_microbatches(sample_weight, sizes)
+        x_parts = MicrobatchParts(x, sizes)
+        y_parts = MicrobatchParts(y, sizes)
+        weight_parts = MicrobatchParts(sample_weight, sizes)
 
         def microbatch_loss(microbatch, y_pred):
             loss = loss_model._compute_loss(
@@ -216,9 +216,10 @@ class PipelineModel(keras.Model):
                 sample_weight=weight_parts[microbatch],
                 training=True,
             )
-            share = loss_share(reduction, sizes[microbatch], weight_parts[microbatch], totals)
+            rows = x_parts.rows(microbatch)
+            share = loss_share(reduction, rows, weight_parts[microbatch], totals)
             # A padded micro-batch (no real rows) counts for nothing.
-            has_rows = sizes[microbatch] > 0
+            has_rows = rows > 0
             loss = tf.where(has_rows, loss * tf.cast(share, loss.dtype), tf.zeros_like(loss))
             differentiated = loss
             if loss_model.optimizer is not None:

@@ -134,6 +134,17 @@ class TracedStage:
             "weight_grad": (weight_grad_needs, flat_weight_grads),
         }
 
+    @property
+    def weight_gradient_templates(self) -> list:
+        """One traced gradient per weight (an IndexedSlices for a sparse one), for its kind,
+        dtype and shape."""
+        return list(self._weight_grad_structure)
+
+    def output_specs(self) -> tuple[list[tf.TensorSpec], object]:
+        """The flat outputs' specs, and their nesting (the next stage's input signature)."""
+        flat = self.forward.outputs[: self.num_outputs]
+        return [tf.TensorSpec(t.shape, t.dtype) for t in flat], self.output_structure
+
     def _cut_function(self, name: str) -> Callable:
         feeds, fetches = self._cuts[name]
         return self._cutter.function(feeds, fetches)
@@ -183,7 +194,11 @@ class StageFunctions:
 
     def for_inputs(self, flat_inputs: Sequence[tf.Tensor], structure) -> TracedStage:
         """The functions for stage inputs like `flat_inputs` (nested as `structure`)."""
-        specs = [tf.TensorSpec(t.shape, t.dtype) for t in flat_inputs]
+        return self.for_specs([tf.TensorSpec(t.shape, t.dtype) for t in flat_inputs], structure)
+
+    def for_specs(self, specs: Sequence[tf.TensorSpec], structure) -> TracedStage:
+        """The functions for flat stage inputs of `specs` (nested as `structure`)."""
+        specs = list(specs)
         key = (repr(tf.nest.map_structure(lambda _: 0, structure)), tuple(specs))
         if key not in self._traced:
             self._traced[key] = TracedStage(

@@ -1,0 +1,217 @@
+"""Runs a rolled schedule: its prologue, its body in a `tf.while_loop` of R rounds, its epilogue.
+
+The body (one round of every device's actions, `tfmulti.pipeline.rolling`) is traced once,
+so the step's graph holds the prologue, one body and the epilogue however many micro-batches
+there are. What is in flight between rounds (stashed activations and residuals, gradients
+on their way to the previous stage, I's carry, each device's order token) is the loop's
+state: `roll_schedule` checked that it has the same shape at every round. Dense gradient
+sums are loop variables too; sparse ones (embeddings) are collected per round in
+TensorArrays and joined after the loop in micro-batch order, as the unrolled step adds
+them. Last-stage outputs and losses go to TensorArrays indexed by micro-batch.
+
+Each device's actions keep the schedule's order: within a round by the body's order and
+from round to round by the device's token. Loop iterations may overlap (TensorFlow runs
+an iteration's ops as soon as their inputs are ready), so devices drift apart by rounds
+just as the unrolled schedule lets them.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tfmulti.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
+from tfmulti.pipeline.rolling import RolledSchedule
+
+_BACKWARD_PIECES = {BACKWARD: "backward", INPUT_GRAD: "input_grad", WEIGHT_GRAD: "weight_grad"}
+
+
+def run_rolled(builder, rolled: RolledSchedule):
+    """Builds the whole step of `rolled` with `builder` (an executor's step builder whose
+    micro-batch inputs take tensor indices) and returns its `StepResult`."""
+    traced_stages = builder.executor.traced_stages(builder.inputs[0])
+    summed_stages = _prepare_functions(traced_stages, rolled)
+    for action in rolled.prologue:
+        builder.build(action)
+    prologue_results = (dict(builder.outputs), dict(builder.losses))
+    sums = _GradientSums(builder, traced_stages, summed_stages)
+    outputs = _OutputArrays(traced_stages[-1], len(builder.inputs))
+    stride = rolled.stride
+    start_state = builder.carried_state()
+    state_structure = tf.nest.map_structure(lambda _: 0, start_state)
+
+    def body(round_index, flat_state, dense_sums, sparse_arrays, output_arrays):
+        builder.restore_state(tf.nest.pack_sequence_as(start_state, flat_state), traced_stages)
+        builder.index_of = lambda label: label + round_index * stride
+        builder.outputs, builder.losses = {}, {}
+        sums.enter_round(dense_sums)
+        for action in rolled.body:
+            builder.build(action)
+        next_state = builder.carried_state(shift=-stride)
+        if tf.nest.map_structure(lambda _: 0, next_state) != state_structure:
+            raise AssertionError("A rolled round changed what is in flight; a tfmulti bug.")
+        return (
+            round_index + 1,
+            tf.nest.flatten(next_state),
+            sums.round_dense(),
+            sums.write_round(sparse_arrays, round_index),
+            outputs.write(output_arrays, builder),
+        )
+
+    loop_vars = (
+        tf.constant(0, tf.int32),
+        tf.nest.flatten(start_state),
+        sums.start_dense(),
+        sums.new_arrays(),
+        outputs.new_arrays(),
+    )
+    _, flat_state, dense_sums, sparse_arrays, output_arrays = tf.while_loop(
+        lambda round_index, *unused: round_index < rolled.rounds,
+        body,
+        loop_vars,
+        parallel_iterations=max(1, min(rolled.rounds, 64)),
+        maximum_iterations=rolled.rounds,
+    )
+    builder.restore_state(
+        tf.nest.pack_sequence_as(start_state, flat_state),
+        traced_stages,
+        shift=rolled.rounds * stride,
+    )
+    builder.index_of = lambda label: label
+    builder.outputs, builder.losses = prologue_results
+    last_stage = len(traced_stages) - 1
+    looped_outputs = [
+        action.microbatch
+        for r in range(rolled.rounds)
+        for action in rolled.round_actions(r)
+        if action.kind == FORWARD and action.stage == last_stage
+    ]
+    outputs.read(output_arrays, looped_outputs, builder)
+    sums.leave_loop(dense_sums, sparse_arrays)
+    for action in rolled.epilogue:
+        builder.build(action)
+    return builder.result()
+
+
+def _prepare_functions(traced_stages, rolled: RolledSchedule) -> set[int]:
+    """Cuts the backward pieces the schedule uses before the loop (each is traced once, out
+    of the loop's graph); returns the stages whose weight gradients the body sums."""
+    kinds = {
+        (action.kind, action.stage)
+        for actions in rolled.schedule.device_actions
+        for action in actions
+    }
+    for kind, stage in kinds:
+        if kind in _BACKWARD_PIECES:
+            getattr(traced_stages[stage], _BACKWARD_PIECES[kind])
+    return {action.stage for action in rolled.body if action.kind in (BACKWARD, WEIGHT_GRAD)}
+
+
+class _GradientSums:
+    """The weight-gradient sums of the stages the body works on, across the loop."""
+
+    def __init__(self, builder, traced_stages, summed_stages: set[int]):
+        self.builder = builder
+        self.dense, self.sparse = [], []  # (variable key, variable, gradient template)
+        for stage in sorted(summed_stages):
+            traced = traced_stages[stage]
+            templates = traced.weight_gradient_templates
+            for variable, template in zip(traced.weights, templates, strict=True):
+                entry = (id(variable), variable, template)
+                (self.sparse if isinstance(template, tf.IndexedSlices) else self.dense).append(
+                    entry
+                )
+        # The prologue's part of each sparse sum; the loop's rounds follow it.
+        self.sparse_before = {key: builder.accumulated.pop(key, None) for key, *_ in self.sparse}
+
+    def start_dense(self) -> list:
+        accumulated, variables = self.builder.accumulated, self.builder.variables
+        start = []
+        for key, variable, template in self.dense:
+            variables.setdefault(key, variable)
+            total = accumulated.get(key)
+            if total is None:
+                total = tf.zeros(variable.shape, template.dtype)
+            start.append(tf.convert_to_tensor(total))
+        return start
+
+    def new_arrays(self) -> list:
+        return [
+            (
+                tf.TensorArray(template.values.dtype, size=0, dynamic_size=True),
+                tf.TensorArray(template.indices.dtype, size=0, dynamic_size=True),
+            )
+            for _, _, template in self.sparse
+        ]
+
+    def enter_round(self, dense_sums) -> None:
+        accumulated = self.builder.accumulated
+        for (key, _, _), total in zip(self.dense, dense_sums, strict=True):
+            accumulated[key] = total
+        for key, *_ in self.sparse:
+            accumulated.pop(key, None)
+
+    def round_dense(self) -> list:
+        return [self.builder.accumulated[key] for key, _, _ in self.dense]
+
+    def write_round(self, arrays, round_index) -> list:
+        written = []
+        for (key, _, _), (values, indices) in zip(self.sparse, arrays, strict=True):
+            part = self.builder.accumulated.pop(key)
+            written.append(
+                (values.write(round_index, part.values), indices.write(round_index, part.indices))
+            )
+        return written
+
+    def leave_loop(self, dense_sums, arrays) -> None:
+        accumulated, variables = self.builder.accumulated, self.builder.variables
+        for (key, _, _), total in zip(self.dense, dense_sums, strict=True):
+            accumulated[key] = total
+        for (key, variable, template), (values, indices) in zip(self.sparse, arrays, strict=True):
+            variables.setdefault(key, variable)
+            looped = tf.IndexedSlices(values.concat(), indices.concat(), template.dense_shape)
+            before = self.sparse_before[key]
+            accumulated[key] = looped if before is None else _joined(before, looped)
+
+
+def _joined(first: tf.IndexedSlices, second: tf.IndexedSlices) -> tf.IndexedSlices:
+    return tf.IndexedSlices(
+        tf.concat([first.values, second.values], axis=0),
+        tf.concat([first.indices, second.indices], axis=0),
+        first.dense_shape,
+    )
+
+
+class _OutputArrays:
+    """The last stage's outputs and losses of the looped micro-batches, by micro-batch."""
+
+    def __init__(self, last_traced, num_microbatches: int):
+        self.specs, self.structure = last_traced.output_specs()
+        self.size = num_microbatches
+        self.loss_dtype = None
+
+    def new_arrays(self) -> list:
+        arrays = [tf.TensorArray(spec.dtype, size=self.size) for spec in self.specs]
+        return arrays + [tf.TensorArray(tf.float32, size=self.size)]
+
+    def write(self, arrays, builder) -> list:
+        output_arrays, loss_array = list(arrays[:-1]), arrays[-1]
+        for label, outputs in builder.outputs.items():
+            index = builder.index_of(label)
+            output_arrays = [
+                array.write(index, t)
+                for array, t in zip(output_arrays, tf.nest.flatten(outputs), strict=True)
+            ]
+            loss = builder.losses[label]
+            self.loss_dtype = loss.dtype
+            loss_array = loss_array.write(index, tf.cast(loss, tf.float32))
+        return output_arrays + [loss_array]
+
+    def read(self, arrays, microbatches, builder) -> None:
+        output_arrays, loss_array = arrays[:-1], arrays[-1]
+        for microbatch in microbatches:
+            flat = [
+                tf.ensure_shape(array.read(microbatch), spec.shape)
+                for array, spec in zip(output_arrays, self.specs, strict=True)
+            ]
+            builder.outputs[microbatch] = tf.nest.pack_sequence_as(self.structure, flat)
+            builder.losses[microbatch] = tf.cast(loss_array.read(microbatch), self.loss_dtype)
