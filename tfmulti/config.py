@@ -49,6 +49,7 @@ class TrainConfig:
     schedule: str = "1f1b"
     chunks: int = 1
     partition: str = "uniform"
+    remeasure_partition: bool = False
     remat: bool = False
     trace_steps: tuple[int, int] | None = None
     placement: str | None = None

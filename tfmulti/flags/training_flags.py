@@ -209,6 +209,12 @@ def define_pipeline_flags() -> None:
         message="--partition must be uniform, params, time, manual:B1,B2,... "
         "(first block of each later stage) or layers:NAME,NAME,...",
     )
+    flags.DEFINE_boolean(
+        "remeasure_partition",
+        False,
+        "With --partition=time: time the blocks again instead of reusing the timings kept "
+        "in --model_dir/partition_costs.json.",
+    )
     flags.DEFINE_boolean("remat", False, "Recompute each stage's forward in its backward.")
     flags.DEFINE_string(
         "placement",
@@ -386,6 +392,7 @@ def config_from_flags() -> TrainConfig:
         schedule=FLAGS.schedule,
         chunks=FLAGS.chunks,
         partition=FLAGS.partition,
+        remeasure_partition=FLAGS.remeasure_partition,
         remat=FLAGS.remat,
         trace_steps=parse_step_range(FLAGS.trace_steps) if FLAGS.trace_steps else None,
         placement=FLAGS.placement,

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import keras
 import numpy as np
 
 from tfmulti.config import TrainConfig
 from tfmulti.devices import first_logical_devices
+from tfmulti.split_summary import MEASURED_SECONDS_ATTRIBUTE, MeasuredStageSeconds
 from tfmulti.spread.base import BuildContext, DeviceSpread, check_batch_splits
 from tfmulti.spread.model_source import ModelSource
 
@@ -45,23 +48,50 @@ def split_blocks(
     schedule: str,
 ) -> tuple[int, ...]:
     """Stage boundaries of `blocks` by `config.partition`, costed on one micro-batch."""
-    from tfmulti.pipeline.runtime import partition_blocks
+    return _split_and_seconds(config, blocks, num_stages, num_microbatches, microbatch_x, schedule)[
+        0
+    ]
+
+
+def _split_and_seconds(
+    config: TrainConfig,
+    blocks: list[keras.layers.Layer],
+    num_stages: int,
+    num_microbatches: int,
+    microbatch_x: np.ndarray,
+    schedule: str,
+) -> tuple[tuple[int, ...], MeasuredStageSeconds | None]:
+    """`split_blocks`, with each stage's measured seconds under `--partition=time`.
+
+    Block timings are kept in `<model_dir>/partition_costs.json`, so a resumed or repeated
+    run of the same model does not time them again (`--remeasure_partition` does).
+    """
+    from tfmulti.pipeline.runtime.cost_cache import COST_CACHE_FILE, CostCache
+    from tfmulti.pipeline.runtime.partition import block_costs, partition_blocks
 
     if num_stages > len(blocks):
         raise ValueError(
             f"Model {config.model!r} has {len(blocks)} blocks, too few for {num_stages} "
             "stages; use fewer stages (--num_stages, pipe in --mesh) or --chunks."
         )
+    timed = config.partition == "time"
+    cache = None
+    if timed:
+        cache = CostCache(
+            os.path.join(config.model_dir, COST_CACHE_FILE), config.remeasure_partition
+        )
+    costs = block_costs(blocks, config.partition, microbatch_x, cache)
     partition = partition_blocks(
         blocks,
         num_stages,
         config.partition,
-        sample_input=microbatch_x,
         num_microbatches=num_microbatches,
         # The balancer simulates one stage per device; interleaved splits use 1F1B's model.
         schedule=schedule if config.chunks == 1 else "1f1b",
+        costs=costs,
     )
-    return partition.boundaries
+    seconds = MeasuredStageSeconds.from_blocks(costs, partition.boundaries) if timed else None
+    return partition.boundaries, seconds
 
 
 def build_staged_model(
@@ -105,7 +135,7 @@ def build_staged_model(
             f"indices). Received: --partition={config.partition}"
         )
     blocks = source.blocks()
-    boundaries = split_blocks(
+    boundaries, seconds = _split_and_seconds(
         config,
         blocks,
         config.num_stages * chunks,
@@ -113,10 +143,13 @@ def build_staged_model(
         sample_x[: config.batch_size // num_microbatches],
         config.schedule if pipelined else "1f1b",
     )
-    return PipelineModel(
+    model = PipelineModel(
         stages_from_blocks(blocks, boundaries),
         devices,
         num_microbatches,
         schedule,
         remat=config.remat,
     )
+    if seconds is not None:
+        setattr(model, MEASURED_SECONDS_ATTRIBUTE, seconds)
+    return model
