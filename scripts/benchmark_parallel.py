@@ -12,11 +12,21 @@ The `keras_llama` section builds a small KerasHub Llama under
 `--llama_ways` (1: unsharded) and records variable bytes per device (model and Adam
 state separately) and training examples/sec, timed in rotating rounds.
 
+The `mesh3d` section trains the reference Transformer on 8 logical devices in each of
+`--meshes` (data x pipe x tensor) with `scripts/train.py`, run by the planner's own
+validation code on the planner's best layout for that mesh, and records measured against
+predicted step seconds. Also the tensor-parallel bytes per step (split layers measured in
+their traced graphs against their analytic counts, times layers, micro-batches and
+replicas) and, for one reduction of a micro-batch's activations, the bytes each device
+of a tensor group receives with reduce-to-one (the former reduction) and with the ring
+all-reduce.
+
 Prints a JSON list of records; `--out` writes it.
 
 Example:
     python scripts/benchmark_parallel.py --d_models=1024,2048 --rows=2048 --out=/tmp/tp.json
     python scripts/benchmark_parallel.py --sections=keras_llama --llama_ways=1,2,4
+    python scripts/benchmark_parallel.py --sections=mesh3d --meshes=data=2,pipe=2,tensor=2
 """
 
 import json
@@ -30,9 +40,9 @@ from tfmulti.flags.parsing import run_script
 from tfmulti.tf_startup import start_tensorflow
 
 define_console_flags()
-flags.DEFINE_multi_enum(
-    "sections", ["mlp", "keras_llama"], ["mlp", "keras_llama"], "Benchmarks to run."
-)
+SECTIONS = ["mlp", "keras_llama", "mesh3d"]
+MESH3D_DEVICES = 8
+flags.DEFINE_multi_enum("sections", SECTIONS[:2], SECTIONS, "Benchmarks to run.")
 flags.DEFINE_list("d_models", ["1024", "2048"], "Model widths; the MLP's hidden width is 4x.")
 flags.DEFINE_list("rows", ["2048"], "Rows per step (batch x sequence length).")
 flags.DEFINE_integer("sequence_length", 128, "Tokens per example.", lower_bound=1)
@@ -42,6 +52,16 @@ flags.DEFINE_integer("rounds", 2, "ABBA rounds (each times both layouts twice)."
 flags.DEFINE_list("llama_ways", ["1", "2", "4"], "keras_llama: devices the layout shards over.")
 flags.DEFINE_integer("llama_hidden_dim", 64, "keras_llama: hidden width (4 heads).", lower_bound=4)
 flags.DEFINE_integer("llama_batch_size", 8, "keras_llama: examples per step.", lower_bound=1)
+flags.DEFINE_multi_string(
+    "meshes",
+    ["data=2,pipe=2,tensor=2", "data=1,pipe=2,tensor=4", "data=2,pipe=1,tensor=4"]
+    + ["data=4,pipe=2,tensor=1"],
+    "mesh3d: meshes of 8 devices to train on (repeat the flag for more).",
+)
+flags.DEFINE_integer("mesh3d_layers", 4, "mesh3d: Transformer blocks.", lower_bound=2)
+flags.DEFINE_integer("mesh3d_global_batch", 32, "mesh3d: examples per step.", lower_bound=8)
+flags.DEFINE_integer("mesh3d_steps", 10, "mesh3d: training steps per epoch.", lower_bound=1)
+flags.DEFINE_integer("mesh3d_epochs", 3, "mesh3d: epochs; all after the first timed.", 2)
 flags.DEFINE_string("out", None, "Write the JSON records to this file.")
 flags.register_validator(
     "llama_ways",
@@ -53,7 +73,21 @@ flags.register_validator(
     lambda values: all(int(v) % FLAGS.sequence_length == 0 for v in values),
     "each value must be a multiple of --sequence_length",
 )
+flags.register_validator(
+    "meshes",
+    lambda values: all(_is_mesh_of(MESH3D_DEVICES, value) for value in values),
+    f"each value must be a mesh of {MESH3D_DEVICES} devices, e.g. data=2,pipe=2,tensor=2",
+)
 FLAGS = flags.FLAGS
+
+
+def _is_mesh_of(num_devices: int, text: str) -> bool:
+    from tfmulti.mesh import parse_mesh
+
+    try:
+        return parse_mesh(text).num_devices == num_devices
+    except ValueError:
+        return False
 
 
 def _training_step(layer, home_device):
@@ -219,13 +253,151 @@ def keras_llama_records() -> list[dict]:
     return records
 
 
+def _planned_layouts(costs, meshes: list[str]) -> list:
+    """The planner's best layout of each mesh (its fastest prediction), in `meshes` order."""
+    from tfmulti.planner import Hardware, search_layouts
+
+    best = {}
+    # Logical devices share the machine's cores: their work does not overlap.
+    hardware = Hardware(shared_compute=True)
+    for layout in search_layouts(costs, MESH3D_DEVICES, FLAGS.mesh3d_global_batch, hardware):
+        best.setdefault(str(layout.mesh), layout)
+    missing = [mesh for mesh in meshes if mesh not in best]
+    if missing:
+        raise ValueError(
+            f"The planner has no layout of {missing} for this model; it can split the "
+            f"Transformer {costs.tensor_parallel_sizes} ways. Received: --meshes={meshes}"
+        )
+    return [best[mesh] for mesh in meshes]
+
+
+def _tensor_group_bytes(costs, layout) -> dict:
+    """Bytes the tensor groups move per step (split layers measured in their traced graphs
+    and counted analytically, times micro-batches and replicas), and the bytes each device
+    of a group receives in one reduction of a micro-batch's activations, reduce-to-one
+    against the ring all-reduce."""
+    import tensorflow as tf
+
+    from models import registry
+    from tfmulti.data import load_source
+    from tfmulti.parallel import CommunicationBytes, measure_communication, resolve_shard_devices
+    from tfmulti.parallel.collectives import reduce_partial_sums
+    from tfmulti.parallel.communication import received_bytes
+    from tfmulti.parallel.shard_devices import device_key
+
+    mesh = layout.mesh
+    devices = resolve_shard_devices(mesh.tensor)
+    info = load_source(costs.dataset).info
+    microbatch = FLAGS.mesh3d_global_batch // mesh.data // layout.num_microbatches
+    tokens = tf.zeros((microbatch, *info.input_shape), tf.int32)
+    blocks = registry.build_blocks(
+        costs.model,
+        info.input_shape,
+        info.num_classes,
+        tensor_parallel=mesh.tensor,
+        tensor_parallel_devices=devices,
+        **costs.model_options,
+    )
+    outputs = [tokens]
+    for block in blocks:  # build every weight before tracing
+        outputs.append(block(outputs[-1]))
+    split_layers = [(blocks[0].token_embedding, tokens)] + [
+        (layer, outputs[index])
+        for index, block in enumerate(blocks[1:-1], 1)
+        for layer in (block.attention, block.feed_forward)
+    ]
+    measured = analytic = CommunicationBytes(0, 0)
+    for layer, inputs in split_layers:
+        measured += measure_communication(layer, tf.TensorSpec(inputs.shape, inputs.dtype))
+        analytic += layer.communication_bytes(inputs.shape)
+    per_step = mesh.data * layout.num_microbatches
+
+    partials = []
+    for device in devices:
+        with tf.device(device):
+            partials.append(tf.identity(tf.random.normal(outputs[1].shape)))
+
+    def reduce_to_one(partials, devices):
+        with tf.device(devices[0]):
+            return tf.add_n(partials)
+
+    received = {}
+    for name, reduce in (("reduce_to_one", reduce_to_one), ("ring", reduce_partial_sums)):
+        traced = tf.function(lambda reduce=reduce: reduce(partials, devices))
+        by_device = received_bytes(traced.get_concrete_function().graph, devices[0])
+        received[name] = [by_device.get(device_key(device), 0) for device in devices]
+    return {
+        "tensor_parallel_bytes_per_step": {
+            "measured": per_step * (measured.forward + measured.backward),
+            "analytic": per_step * (analytic.forward + analytic.backward),
+            "equal": measured == analytic,
+        },
+        "one_reduction": {
+            "shape": list(outputs[1].shape),
+            "received_bytes_per_device": received,
+        },
+    }
+
+
+def mesh3d_records() -> list[dict]:
+    """Measured against predicted step time of the planner's best layout of each mesh."""
+    import tempfile
+
+    from tfmulti.mesh import parse_mesh
+    from tfmulti.planner.measure import measure_model_costs
+    from tfmulti.planner.validation import measure_layouts
+
+    batch = FLAGS.mesh3d_global_batch
+    costs = measure_model_costs(
+        "transformer",
+        "tokens",
+        {"num_layers": FLAGS.mesh3d_layers},
+        batch_sizes=[batch // 8, batch],
+    )
+    meshes = [str(parse_mesh(text)) for text in FLAGS.meshes]
+    layouts = _planned_layouts(costs, meshes)
+    measurements = measure_layouts(
+        layouts,
+        costs,
+        batch,
+        tempfile.mkdtemp(prefix="mesh3d_"),
+        epochs=FLAGS.mesh3d_epochs,
+        steps_per_epoch=FLAGS.mesh3d_steps,
+        repeats=1,
+    )
+    records = []
+    for layout, measurement in zip(layouts, measurements, strict=True):
+        measured = measurement.measured_step_time
+        record = {
+            "benchmark": "mesh3d",
+            "mesh": str(layout.mesh),
+            "schedule": layout.schedule,
+            "num_microbatches": layout.num_microbatches,
+            "boundaries": list(layout.boundaries),
+            "num_layers": FLAGS.mesh3d_layers,
+            "global_batch": batch,
+            "predicted_step_seconds": layout.step_time,
+            "measured_step_seconds": measured,
+            "measured_over_predicted": measured / layout.step_time if measured else None,
+            "error": measurement.error,
+            "train_flags": list(measurement.flags),
+        }
+        if layout.mesh.tensor > 1:
+            record.update(_tensor_group_bytes(costs, layout))
+        records.append(record)
+    return records
+
+
 def main(argv):
     del argv
     start_tensorflow(FLAGS.tf_log_level)
     from tfmulti.devices import configure_logical_devices
 
     llama_ways = [int(value) for value in FLAGS.llama_ways]
-    configure_logical_devices(max([FLAGS.tensor_parallel, *llama_ways]), device_type="CPU")
+    mesh_devices = [MESH3D_DEVICES] if "mesh3d" in FLAGS.sections else []
+    configure_logical_devices(
+        max([FLAGS.tensor_parallel, *llama_ways, *mesh_devices]), device_type="CPU"
+    )
     records = []
     if "mlp" in FLAGS.sections:
         for d_model in (int(value) for value in FLAGS.d_models):
@@ -234,6 +406,10 @@ def main(argv):
                 print(json.dumps(records[-1]), flush=True)
     if "keras_llama" in FLAGS.sections:
         for record in keras_llama_records():
+            records.append(record)
+            print(json.dumps(record), flush=True)
+    if "mesh3d" in FLAGS.sections:
+        for record in mesh3d_records():
             records.append(record)
             print(json.dumps(record), flush=True)
     print(json.dumps(records, indent=1))
