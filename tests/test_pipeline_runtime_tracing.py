@@ -58,9 +58,11 @@ def _stages(num_stages):
     return [CountingStage(u, 10 * i, name=f"stage{i}") for i, u in enumerate(units)]
 
 
-def _built_pipeline(num_microbatches, schedule, jit_compile=False):
+def _built_pipeline(num_microbatches, schedule, jit_compile=False, rolled=None):
     devices = logical_device_names("CPU")[:NUM_DEVICES]
-    pipeline = PipelineModel(_stages(NUM_DEVICES), devices, num_microbatches, schedule)
+    pipeline = PipelineModel(
+        _stages(NUM_DEVICES), devices, num_microbatches, schedule, rolled=rolled
+    )
     pipeline.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=jit_compile)
     pipeline(np.zeros((BATCH_SIZE, FEATURES), "float32"))
     return pipeline
@@ -102,9 +104,9 @@ def test_evaluation_traces_each_stage_once_whatever_the_microbatches():
     )
 
 
-def _step_graph(num_microbatches):
-    pipeline = _built_pipeline(num_microbatches, "1f1b")
-    x, y = regression_batches(1, BATCH_SIZE)[0]
+def _step_graph(num_microbatches, rolled=False, schedule="1f1b", batch_size=BATCH_SIZE):
+    pipeline = _built_pipeline(num_microbatches, schedule, rolled=rolled)
+    x, y = regression_batches(1, batch_size)[0]
 
     @tf.function(autograph=False)
     def gradients(x, y):
@@ -113,7 +115,7 @@ def _step_graph(num_microbatches):
     return gradients.get_concrete_function(x, y).graph.as_graph_def()
 
 
-def test_step_graph_grows_by_a_few_nodes_per_action_not_a_copy_of_the_stages():
+def test_unrolled_step_graph_grows_by_a_few_nodes_per_action_not_a_copy_of_the_stages():
     few, many = _step_graph(2), _step_graph(8)
     actions_added = 2 * NUM_DEVICES * (8 - 2)
     nodes_per_action = (len(many.node) - len(few.node)) / actions_added
@@ -122,6 +124,29 @@ def test_step_graph_grows_by_a_few_nodes_per_action_not_a_copy_of_the_stages():
     # add ~17, whatever the stage's depth.
     assert nodes_per_action < 25, nodes_per_action
     assert len(many.library.function) == len(few.library.function)
+
+
+def _graph_size(graph_def) -> int:
+    return len(graph_def.node) + sum(len(f.node_def) for f in graph_def.library.function)
+
+
+def _while_loops(graph_def) -> int:
+    return sum(node.op in ("While", "StatelessWhile") for node in graph_def.node)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_rolled_step_graph_is_the_same_size_whatever_the_microbatches(schedule):
+    sizes = {}
+    for num_microbatches in (8, 16, 32):
+        graph = _step_graph(num_microbatches, rolled=None, schedule=schedule, batch_size=64)
+        assert _while_loops(graph) == 1
+        sizes[num_microbatches] = _graph_size(graph)
+    # Only the reads of each looped micro-batch's loss and outputs grow with m.
+    assert sizes[32] - sizes[16] == 2 * (sizes[16] - sizes[8]), sizes
+    per_microbatch = (sizes[32] - sizes[8]) / 24
+    assert per_microbatch < 12, sizes
+    unrolled = _graph_size(_step_graph(32, rolled=False, schedule=schedule, batch_size=64))
+    assert sizes[32] < unrolled / 2, (sizes, unrolled)
 
 
 def test_stage_functions_train_like_one_device():

@@ -67,6 +67,11 @@ class PipelineModel(keras.Model):
             (no micro-batching, one device busy at a time), schedule text, or a `Schedule`.
         remat: recompute each stage's forward in its backward instead of keeping its
             intermediate tensors; a bool for all stages or one per stage.
+        rolled: run the schedule's repeating steady state as a loop over rounds traced
+            once, so tracing and start-up do not grow with micro-batches (1F1B,
+            interleaved, ZB-H1/H2 from a few micro-batches per device on; GPipe, and
+            batches that do not split into equal micro-batches, stay unrolled). None:
+            whenever possible; False: never (one traced copy of every action).
         **kwargs: passed to `keras.Model` (e.g. `name`).
 
     Example:
@@ -83,6 +88,7 @@ class PipelineModel(keras.Model):
         num_microbatches: int = 1,
         schedule: str | Schedule = "1f1b",
         remat: bool | Sequence[bool] = False,
+        rolled: bool | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -104,7 +110,9 @@ class PipelineModel(keras.Model):
         self.remat = _per_stage(remat, len(stages))
         self.stages = stages
         move_built_stages(stages, self.stage_devices)
-        self._executor = ScheduleExecutor(stages, self.stage_devices, self.schedule, self.remat)
+        self._executor = ScheduleExecutor(
+            stages, self.stage_devices, self.schedule, self.remat, rolled=rolled
+        )
         self._trace_actions = [a for actions in self.schedule.device_actions for a in actions]
         self._tracing = False
         self._train_functions = {}

@@ -168,7 +168,8 @@ class _GradientSums:
             accumulated[key] = total
         for (key, variable, template), (values, indices) in zip(self.sparse, arrays, strict=True):
             variables.setdefault(key, variable)
-            looped = tf.IndexedSlices(values.concat(), indices.concat(), template.dense_shape)
+            dense_shape = tf.constant(list(variable.shape), template.dense_shape.dtype)
+            looped = tf.IndexedSlices(values.concat(), indices.concat(), dense_shape)
             before = self.sparse_before[key]
             accumulated[key] = looped if before is None else _joined(before, looped)
 

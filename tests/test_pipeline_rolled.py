@@ -1,0 +1,103 @@
+"""Rolled pipeline steps (the steady state as a loop) train exactly like unrolled ones and
+like one device, for every rollable schedule."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from pipeline_runtime_models import Chain, dense_stages, max_weight_difference, regression_batches
+
+from models import build_blocks, build_model
+from tfmulti.devices import logical_device_names
+from tfmulti.pipeline.runtime import PipelineModel, partition_blocks, stages_from_blocks
+
+STEPS = 3
+BATCH_SIZE = 32
+
+
+def _loops_in_step(pipeline, x, y) -> int:
+    @tf.function(autograph=False)
+    def losses(x, y):
+        return pipeline.run_schedule(x, y).losses
+
+    graph = losses.get_concrete_function(x, y).graph.as_graph_def()
+    return sum(node.op in ("While", "StatelessWhile") for node in graph.node)
+
+
+def _pipeline(make_stages, num_devices, chunks, num_microbatches, schedule, rolled, **kwargs):
+    devices = logical_device_names("CPU")[:num_devices]
+    stages = make_stages(num_devices * chunks)
+    return PipelineModel(stages, devices, num_microbatches, schedule, rolled=rolled, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "schedule, num_devices, chunks, num_microbatches",
+    [
+        ("1f1b", 4, 1, 16),
+        ("zb_h1", 2, 1, 16),
+        ("zb_h2", 4, 1, 16),
+        ("interleaved_1f1b", 2, 2, 8),
+    ],
+)
+def test_rolled_pipeline_trains_like_unrolled_and_like_one_device(
+    schedule, num_devices, chunks, num_microbatches
+):
+    batches = regression_batches(STEPS, BATCH_SIZE)
+    x0, y0 = batches[0]
+    models = {}
+    for rolled in (None, False):
+        model = _pipeline(dense_stages, num_devices, chunks, num_microbatches, schedule, rolled)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        model(x0)
+        assert _loops_in_step(model, x0, y0) == (1 if rolled is None else 0)
+        models[rolled] = model
+    reference = Chain(dense_stages(num_devices * chunks))
+    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    reference(x0)
+    for x, y in batches:
+        losses = [model.train_on_batch(x, y) for model in (*models.values(), reference)]
+    rolled_model, unrolled_model = models[None], models[False]
+    # The same functions run in the same order on each device: the same numbers.
+    for mine, theirs in zip(rolled_model.get_weights(), unrolled_model.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-6, atol=1e-7)
+    assert max_weight_difference(reference, rolled_model) < 1e-5
+    np.testing.assert_allclose(losses[0], losses[2], rtol=1e-5)
+
+
+def test_rolled_transformer_with_sparse_embedding_gradients_and_remat_trains_like_the_model():
+    vocab, sequence = 32, 8
+    options = dict(num_layers=4, num_heads=2, d_model=16)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocab, size=(32, sequence + 1)).astype("int32")
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    whole = build_model("transformer", (sequence,), vocab, seed=3, **options)
+    whole.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+    blocks = build_blocks("transformer", (sequence,), vocab, seed=3, **options)
+    stages = stages_from_blocks(blocks, partition_blocks(blocks, 2, "uniform").boundaries)
+    pipeline = PipelineModel(
+        stages, logical_device_names("CPU")[:2], 8, "1f1b", remat=[True, False]
+    )
+    pipeline.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+    pipeline(x)
+    assert _loops_in_step(pipeline, x, y) == 1
+    for _ in range(STEPS):
+        whole_loss = whole.train_on_batch(x, y)
+        pipeline_loss = pipeline.train_on_batch(x, y)
+    np.testing.assert_allclose(pipeline_loss, whole_loss, rtol=1e-5)
+    for a, b in zip(whole.get_weights(), pipeline.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_batch_that_does_not_split_evenly_runs_unrolled_and_stays_exact():
+    x, y = regression_batches(1, 30)[0]  # 30 rows in 8 micro-batches: 4 or 3 rows each
+    pipeline = _pipeline(dense_stages, 2, 1, 8, "1f1b", None)
+    pipeline.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    pipeline(x)
+    assert _loops_in_step(pipeline, x, y) == 0
+    reference = Chain(dense_stages(2))
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    reference(x)
+    pipeline.train_on_batch(x, y)
+    reference.train_on_batch(x, y)
+    assert max_weight_difference(reference, pipeline) < 1e-5
