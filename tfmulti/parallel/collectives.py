@@ -28,8 +28,8 @@ def reduce_partial_sums(partials: Sequence[tf.Tensor], devices: Sequence[str]) -
     normalization run there). Every device receives (K-1)/K of the tensor, the home
     device twice that; backward, the gradient is scattered from home and all-gathered
     round the ring. A last axis shorter than K (or unknown) is summed on the home device.
-    TensorFlow's collective ops (`CollectiveReduceV2`) are not used: on logical CPU
-    devices a traced step running them never finished (see BUILD.md).
+    TensorFlow's collective ops are not used: on this TensorFlow's logical CPU devices
+    even a two-device `CollectiveReduceV2` times out waiting for its peer (BUILD.md).
     """
     if not ring.can_chunk(partials[0].shape, len(devices)) or len(devices) == 1:
         with tf.device(devices[0]):

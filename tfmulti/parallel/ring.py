@@ -1,4 +1,4 @@
-"""Ring reduce-scatter and all-gather built from placed ops, for tensor-parallel reductions.
+"""A ring reduce-scatter of placed ops (its backward a ring all-gather), for tensor groups.
 
 A tensor is cut into K chunks along its last axis, chunk c belonging to device c. In the
 reduce-scatter, chunk c's running sum starts on device c+1 and travels the ring
