@@ -48,9 +48,10 @@ def split_blocks(
     schedule: str,
 ) -> tuple[int, ...]:
     """Stage boundaries of `blocks` by `config.partition`, costed on one micro-batch."""
-    return _split_and_seconds(config, blocks, num_stages, num_microbatches, microbatch_x, schedule)[
-        0
-    ]
+    boundaries, _ = _split_and_seconds(
+        config, blocks, num_stages, num_microbatches, microbatch_x, schedule
+    )
+    return boundaries
 
 
 def _split_and_seconds(
