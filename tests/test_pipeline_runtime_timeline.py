@@ -50,6 +50,23 @@ def test_measured_peak_stashed_activations_follow_the_schedule_formulas():
     assert peak_stashed_activations(one_f_one_b.measured_actions(), num_devices) == [4, 3, 2, 1]
 
 
+@pytest.mark.parametrize(
+    "schedule, num_devices, chunks, num_microbatches",
+    [("1f1b", 4, 1, 16), ("zb_h1", 2, 1, 16), ("interleaved_1f1b", 2, 2, 8)],
+)
+def test_rolled_step_measures_every_action_once_in_schedule_order(
+    schedule, num_devices, chunks, num_microbatches
+):
+    model = _traced_model(schedule, num_devices, num_microbatches, chunks)
+    assert model._executor.rolled is not None
+    records = model.measured_actions()
+    assert len(records) == sum(len(actions) for actions in model.schedule.device_actions)
+    assert order_deviations(records, model.schedule) == []
+    if schedule == "1f1b":
+        # Rounds overlap, yet no stage holds more than 1F1B's p - s micro-batches.
+        assert peak_stashed_activations(records, num_devices) == [4, 3, 2, 1]
+
+
 def test_order_deviations_reports_missing_and_reordered_actions():
     model = _traced_model("1f1b", 2, 2)
     records = model.measured_actions()

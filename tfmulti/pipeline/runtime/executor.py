@@ -158,11 +158,10 @@ class ScheduleExecutor:
             loss_fn: `(microbatch, outputs) -> (loss, differentiated_loss)`; the second is
                 what the backward differentiates (e.g. loss / m, times a loss scale).
                 `microbatch` is an int, or an int32 tensor inside a rolled loop.
-            trace: also return start and end timestamps of every action (the step is then
-                traced unrolled).
+            trace: also return start and end timestamps of every action.
         """
         run = _StepBuilder(self, microbatch_inputs, loss_fn, trace)
-        if self.rolled is not None and not trace and getattr(microbatch_inputs, "equal", False):
+        if self.rolled is not None and getattr(microbatch_inputs, "equal", False):
             return run_rolled(run, self.rolled)
         for action in self.order:
             run.build(action)

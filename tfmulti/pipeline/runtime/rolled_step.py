@@ -20,7 +20,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfmulti.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
-from tfmulti.pipeline.rolling import RolledSchedule
+from tfmulti.pipeline.rolling import RolledSchedule, shifted
 
 _BACKWARD_PIECES = {BACKWARD: "backward", INPUT_GRAD: "input_grad", WEIGHT_GRAD: "weight_grad"}
 
@@ -35,11 +35,12 @@ def run_rolled(builder, rolled: RolledSchedule):
     prologue_results = (dict(builder.outputs), dict(builder.losses))
     sums = _GradientSums(builder, traced_stages, summed_stages)
     outputs = _OutputArrays(traced_stages[-1], len(builder.inputs))
+    stamps = _StampArrays(rolled, builder.trace)
     stride = rolled.stride
     start_state = builder.carried_state()
     state_structure = tf.nest.map_structure(lambda _: 0, start_state)
 
-    def body(round_index, flat_state, dense_sums, sparse_arrays, output_arrays):
+    def body(round_index, flat_state, dense_sums, sparse_arrays, output_arrays, stamp_arrays):
         builder.restore_state(tf.nest.pack_sequence_as(start_state, flat_state), traced_stages)
         builder.index_of = lambda label: label + round_index * stride
         builder.outputs, builder.losses = {}, {}
@@ -55,6 +56,7 @@ def run_rolled(builder, rolled: RolledSchedule):
             sums.round_dense(),
             sums.write_round(sparse_arrays, round_index),
             outputs.write(output_arrays, builder),
+            stamps.write(stamp_arrays, builder, round_index),
         )
 
     loop_vars = (
@@ -63,8 +65,9 @@ def run_rolled(builder, rolled: RolledSchedule):
         sums.start_dense(),
         sums.new_arrays(),
         outputs.new_arrays(),
+        stamps.new_arrays(),
     )
-    _, flat_state, dense_sums, sparse_arrays, output_arrays = tf.while_loop(
+    _, flat_state, dense_sums, sparse_arrays, output_arrays, stamp_arrays = tf.while_loop(
         lambda round_index, *unused: round_index < rolled.rounds,
         body,
         loop_vars,
@@ -86,6 +89,7 @@ def run_rolled(builder, rolled: RolledSchedule):
         if action.kind == FORWARD and action.stage == last_stage
     ]
     outputs.read(output_arrays, looped_outputs, builder)
+    stamps.read(stamp_arrays, builder)
     sums.leave_loop(dense_sums, sparse_arrays)
     for action in rolled.epilogue:
         builder.build(action)
@@ -216,3 +220,34 @@ class _OutputArrays:
             ]
             builder.outputs[microbatch] = tf.nest.pack_sequence_as(self.structure, flat)
             builder.losses[microbatch] = tf.cast(loss_array.read(microbatch), self.loss_dtype)
+
+
+class _StampArrays:
+    """When the step is traced for a timeline: each body action's start and end, by round."""
+
+    def __init__(self, rolled: RolledSchedule, enabled: bool):
+        self.rolled = rolled
+        self.body = rolled.body if enabled else ()
+
+    def new_arrays(self) -> list:
+        rounds = self.rolled.rounds
+        return [
+            (tf.TensorArray(tf.float64, size=rounds), tf.TensorArray(tf.float64, size=rounds))
+            for _ in self.body
+        ]
+
+    def write(self, arrays, builder, round_index) -> list:
+        written = []
+        for action, (starts, ends) in zip(self.body, arrays, strict=True):
+            start, end = builder.stamps.pop(action)
+            written.append((starts.write(round_index, start), ends.write(round_index, end)))
+        return written
+
+    def read(self, arrays, builder) -> None:
+        for round_index in range(self.rolled.rounds):
+            shift = round_index * self.rolled.stride
+            for action, (starts, ends) in zip(self.body, arrays, strict=True):
+                builder.stamps[shifted(action, shift)] = (
+                    starts.read(round_index),
+                    ends.read(round_index),
+                )
