@@ -2,7 +2,8 @@
 
 For the reference Transformer (tokens of length 32, vocabulary 64, batch 64) at each of
 `--layers`, one device and a `--num_devices`-stage 1F1B pipeline at each of
-`--microbatches` (uniform partition), plus a hybrid `data=2,pipe=2` copy at the first m:
+`--microbatches` (uniform partition), plus a hybrid `data=2,pipe=2` copy at the first and
+the largest m that gives each replica's micro-batches a row:
 seconds to trace the training step, seconds to its first finished run (graph
 optimisation and set-up included) and to a second run, the process's CPU seconds, and the
 size of the traced step (nodes in the step's graph, and with its functions). Each
@@ -30,7 +31,7 @@ from tfmulti.flags.parsing import run_script  # noqa: E402
 SEQUENCE, VOCAB = 32, 64
 
 flags.DEFINE_list("layers", ["6", "12"], "Transformer layers of each model measured.")
-flags.DEFINE_list("microbatches", ["4", "8", "16", "32"], "Pipeline micro-batch counts m.")
+flags.DEFINE_list("microbatches", ["4", "8", "16", "32", "64"], "Pipeline micro-batch counts m.")
 flags.DEFINE_integer("num_devices", 4, "Pipeline stages p (one per device).", lower_bound=2)
 flags.DEFINE_integer("batch_size", 64, "Rows per training step.", lower_bound=1)
 flags.DEFINE_boolean("hybrid", True, "Also measure a data=2,pipe=2 hybrid model.")
@@ -98,6 +99,7 @@ def measure(kind: str, layers: int, microbatches: int) -> dict:
         "first_step_cpu_s": first_step_cpu_s,
         "second_step_s": time.perf_counter() - again,
         "step_nodes": len(graph.node),
+        "rolled": any(node.op in ("While", "StatelessWhile") for node in graph.node),
         "total_nodes": len(graph.node) + sum(len(f.node_def) for f in graph.library.function),
     }
 
@@ -109,7 +111,9 @@ def _configurations() -> list[tuple[str, int, int]]:
         configurations.append(("one_device", layers, 1))
         configurations += [("pipeline", layers, m) for m in counts]
         if FLAGS.hybrid:
-            configurations.append(("hybrid", layers, counts[0]))
+            # Each of the two replicas takes half the batch: at most one row per micro-batch.
+            fitting = [m for m in counts if m <= FLAGS.batch_size // 2]
+            configurations += [("hybrid", layers, m) for m in sorted({fitting[0], fitting[-1]})]
     return configurations
 
 

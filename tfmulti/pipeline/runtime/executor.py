@@ -162,18 +162,23 @@ class ScheduleExecutor:
         """
         run = _StepBuilder(self, microbatch_inputs, loss_fn, trace)
         if self.rolled is not None and getattr(microbatch_inputs, "equal", False):
-            return run_rolled(run, self.rolled)
+            traced_stages = self.traced_stages(microbatch_inputs[0])
+            if traced_stages is not None:
+                return run_rolled(run, self.rolled, traced_stages)
         for action in self.order:
             run.build(action)
         return run.result()
 
-    def traced_stages(self, first_inputs) -> list:
+    def traced_stages(self, first_inputs) -> list | None:
         """Each stage's `TracedStage` for micro-batches like `first_inputs`, traced in
-        stage order (each stage's inputs are the previous stage's outputs)."""
+        stage order (each stage's inputs are the previous stage's outputs); None when a
+        stage's output shape is not fully known before it runs."""
         flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(first_inputs)]
         specs, structure = [tf.TensorSpec(t.shape, t.dtype) for t in flat], first_inputs
         traced_stages = []
         for functions in self.stage_functions:
+            if not all(spec.shape.is_fully_defined() for spec in specs):
+                return None
             traced = functions.for_specs(specs, structure)
             traced_stages.append(traced)
             specs, structure = traced.output_specs()

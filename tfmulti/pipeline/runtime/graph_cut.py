@@ -79,6 +79,8 @@ class GraphCut:
         sub_graph = self._sub_graph_def({op.name for op in ops})
         feed_names = [t.name for t in feeds]
         fetch_names = [t.name for t in fetches]
+        # Shapes set in Python (e.g. after a numpy_function) are not in the GraphDef.
+        fetch_shapes = [t.shape for t in fetches]
         run_names = [op.name for op in also_run]
         captured = self._captured
         read = _tensors_read(sub_graph)
@@ -96,6 +98,8 @@ class GraphCut:
                 sub_graph, input_map=input_map, return_elements=fetch_names + run_names
             )
             results, ran = imported[: len(fetch_names)], imported[len(fetch_names) :]
+            for result, shape in zip(results, fetch_shapes, strict=True):
+                result.set_shape(shape)
             if not ran:
                 return results
             with tf.control_dependencies(ran):

@@ -25,10 +25,12 @@ from tfmulti.pipeline.rolling import RolledSchedule, shifted
 _BACKWARD_PIECES = {BACKWARD: "backward", INPUT_GRAD: "input_grad", WEIGHT_GRAD: "weight_grad"}
 
 
-def run_rolled(builder, rolled: RolledSchedule):
+def run_rolled(builder, rolled: RolledSchedule, traced_stages):
     """Builds the whole step of `rolled` with `builder` (an executor's step builder whose
-    micro-batch inputs take tensor indices) and returns its `StepResult`."""
-    traced_stages = builder.executor.traced_stages(builder.inputs[0])
+    micro-batch inputs take tensor indices) and returns its `StepResult`.
+
+    `traced_stages`: each stage's `TracedStage` for the micro-batches' signature.
+    """
     summed_stages = _prepare_functions(traced_stages, rolled)
     for action in rolled.prologue:
         builder.build(action)

@@ -78,6 +78,7 @@ class TracedStage:
         input_grads = traced["input_grads"]
         weight_grads = traced["weight_grads"]
         self.output_structure = traced["output_structure"]
+        self._output_specs = [tf.TensorSpec(t.shape, t.dtype) for t in flat_outputs]
         self.weights = traced["weights"]
         self.num_input_grads = len(input_grads)
         self._weight_grad_structure = weight_grads
@@ -142,8 +143,7 @@ class TracedStage:
 
     def output_specs(self) -> tuple[list[tf.TensorSpec], object]:
         """The flat outputs' specs, and their nesting (the next stage's input signature)."""
-        flat = self.forward.outputs[: self.num_outputs]
-        return [tf.TensorSpec(t.shape, t.dtype) for t in flat], self.output_structure
+        return list(self._output_specs), self.output_structure
 
     def _cut_function(self, name: str) -> Callable:
         feeds, fetches = self._cuts[name]
