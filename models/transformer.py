@@ -22,8 +22,11 @@ from tfmulti.parallel import (
     ParallelSelfAttention,
     VocabParallelEmbedding,
     attend_causally,
+    pre_ln_block,
+    pre_ln_block_bytes,
     resolve_shard_devices,
 )
+from tfmulti.parallel.communication import tensor_bytes
 
 # GPT-2's initial weight scale.
 _INIT_STDDEV = 0.02
@@ -275,8 +278,35 @@ class TransformerBlock(keras.layers.Layer):
             layer.build(input_shape)
 
     def call(self, inputs):
+        if self.tensor_parallel_devices:
+            # Norms, biases and residual adds on every device of the group (Megatron).
+            return pre_ln_block(
+                inputs, self.attention_norm, self.attention, self.mlp_norm, self.feed_forward
+            )
         x = inputs + self.attention(self.attention_norm(inputs))
         return x + self.feed_forward(self.mlp_norm(x))
+
+    def replicated_weight_bytes(self) -> int:
+        """Bytes of the weights every device of a tensor group reads (the others are split):
+        the two norms' scales and offsets, in the variables' dtype (norms do not autocast),
+        and the biases added after each reduction, in the compute dtype."""
+        width = (self.d_model,)
+        return 4 * tensor_bytes(width, self.variable_dtype) + 2 * tensor_bytes(
+            width, self.compute_dtype
+        )
+
+    def communication_bytes(self, input_shape, enters: bool = True, exits: bool = True):
+        """Bytes the tensor-parallel block moves per forward and backward pass
+        (`tfmulti.parallel.pre_ln_block_bytes`); `enters`/`exits`: its input is not handed
+        on by a block before it / its output goes to a layer on one device."""
+        return pre_ln_block_bytes(
+            input_shape,
+            self.compute_dtype,
+            len(self.tensor_parallel_devices),
+            self.replicated_weight_bytes(),
+            enters=enters,
+            exits=exits,
+        )
 
     def compute_output_shape(self, input_shape):
         return input_shape

@@ -16,6 +16,7 @@ from tfmulti.parallel.communication import (
 from tfmulti.parallel.keras_distribution import shard
 from tfmulti.parallel.mesh_layout import LayoutNotHonouredWarning
 from tfmulti.parallel.parallel_attention import ParallelSelfAttention
+from tfmulti.parallel.parallel_block import pre_ln_block, pre_ln_block_bytes
 from tfmulti.parallel.parallel_mlp import ParallelMLP
 from tfmulti.parallel.placement import PlacedModel, place, place_reference_model
 from tfmulti.parallel.placement_summary import PlacementSummary
@@ -48,6 +49,8 @@ __all__ = [
     "measure_communication",
     "place",
     "place_reference_model",
+    "pre_ln_block",
+    "pre_ln_block_bytes",
     "resolve_shard_devices",
     "set_unsplit_weights",
     "shard",

@@ -1,13 +1,15 @@
-"""The cross-device steps of tensor-parallel layers, each with its gradient placed explicitly.
+"""The cross-device steps of standalone tensor-parallel layers, each gradient placed explicitly.
 
-Shards live on `devices`; the layer's input and output live on `devices[0]` (the home
-device). `fan_out` and `reduce_partial_sums` are the broadcast and reduce of Megatron's
-f and g operators; `scatter` and `gather` split and join along an axis. `fan_out`,
-`scatter` and `gather` are one group of ops on the home device; the tensor a shard reads
-crosses to the shard's device once (TensorFlow sends one copy per tensor and destination
-device). `reduce_partial_sums` is a ring all-reduce (`ring`), so no device receives more
-than 2(K-1)/K of the tensor. In backward the roles swap: a fan-out's gradients are
-reduced, a scatter's gathered and vice versa.
+Shards live on `devices`; a standalone split layer's input and output live on `devices[0]`
+(the home device). Inside a split Transformer block the activations are replicated on
+every device instead (`tfmulti.parallel.replicated`, `parallel_block`), with no home.
+`fan_out` and `reduce_partial_sums` are the broadcast and reduce of Megatron's f and g
+operators; `scatter` and `gather` split and join along an axis. `fan_out`, `scatter` and
+`gather` are one group of ops on the home device; the tensor a shard reads crosses to the
+shard's device once (TensorFlow sends one copy per tensor and destination device).
+`reduce_partial_sums` is a ring reduce-scatter then a gather home (`ring`): each device
+receives (K-1)/K of the tensor, the home device twice that. In backward the roles swap:
+a fan-out's gradients are reduced, a scatter's gathered and vice versa.
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ from tfmulti.parallel import ring
 def reduce_partial_sums(partials: Sequence[tf.Tensor], devices: Sequence[str]) -> tf.Tensor:
     """Returns the sum of the K partial results (partial k on device k) on devices[0].
 
-    The single place that picks the collective: a ring all-reduce of placed ops, a
-    reduce-scatter (device c sums chunk c of the last axis) whose all-gather delivers
-    to the home device only, as only the home device reads the sum (bias, residual and
-    normalization run there). Every device receives (K-1)/K of the tensor, the home
+    A ring reduce-scatter of placed ops (device c sums chunk c of the last axis) whose
+    gather delivers to the home device only, as a standalone layer's output is read
+    there (a split Transformer block all-reduces to every device instead,
+    `replicated.all_reduce`). Every device receives (K-1)/K of the tensor, the home
     device twice that; backward, the gradient is scattered from home and all-gathered
     round the ring. A last axis shorter than K (or unknown) is summed on the home device.
     TensorFlow's collective ops are not used: on this TensorFlow's logical CPU devices

@@ -56,6 +56,29 @@ def received_bytes(graph: tf.Graph, unplaced_device: str) -> dict[tuple[str, int
         >>> received_bytes(step.get_concrete_function(spec).graph, "/CPU:0")
         {('CPU', 0): 1536, ('CPU', 1): 768}
     """
+    received = {}
+    for _, destination, num_bytes in transfers(graph, unplaced_device):
+        received[destination] = received.get(destination, 0) + num_bytes
+    return received
+
+
+def sent_bytes(graph: tf.Graph, unplaced_device: str) -> dict[tuple[str, int], int]:
+    """Returns the bytes each device sends to other devices in `graph`, by `device_key`.
+
+    Args are those of `cross_device_bytes`; devices that send nothing are left out.
+    """
+    sent = {}
+    for source, _, num_bytes in transfers(graph, unplaced_device):
+        sent[source] = sent.get(source, 0) + num_bytes
+    return sent
+
+
+def transfers(graph: tf.Graph, unplaced_device: str) -> list[tuple[tuple, tuple, int]]:
+    """Returns (source, destination, bytes) of each tensor an op in `graph` reads from
+    another device, once per tensor and destination; devices by `device_key`.
+
+    Args are those of `cross_device_bytes`.
+    """
     captured_devices = {
         id(internal): external.device
         for external, internal in getattr(graph, "captures", ())
@@ -75,26 +98,40 @@ def received_bytes(graph: tf.Graph, unplaced_device: str) -> dict[tuple[str, int
                 return device_key(captured_devices[id(tensor)])
         return device_key(unplaced_device)
 
-    sent = set()
-    received = {}
+    seen = set()
+    found = []
     for op in graph.get_operations():
         destination = device_of(op)
         for tensor in op.inputs:
             producer = tensor.op
             if tensor.dtype in (tf.resource, tf.variant) or producer.type == "Const":
                 continue
-            if device_of(producer) == destination or (tensor.name, destination) in sent:
+            source = device_of(producer)
+            if source == destination or (tensor.name, destination) in seen:
                 continue
             if not tensor.shape.is_fully_defined():
                 raise ValueError(
                     "Counting bytes needs static shapes; trace with a fully known input "
                     f"shape. Received: tensor {tensor.name} of shape {tensor.shape}"
                 )
-            sent.add((tensor.name, destination))
-            received[destination] = received.get(destination, 0) + tensor_bytes(
-                tensor.shape, tensor.dtype
-            )
-    return received
+            seen.add((tensor.name, destination))
+            found.append((source, destination, tensor_bytes(tensor.shape, tensor.dtype)))
+    return found
+
+
+def all_reduce_bytes(shape: Sequence[int], dtype, num_devices: int) -> int:
+    """Bytes a ring all-reduce of K tensors of `shape` moves to leave the sum on every device.
+
+    The reduce-scatter moves each of the K chunks K-1 steps and the all-gather copies
+    each to the K-1 other devices: 2(K-1) x S, each device sending and receiving
+    2(K-1)/K x S when the last axis divides by K. A last axis shorter than K is summed
+    on every device from all K tensors: K(K-1) x S
+    (`tfmulti.parallel.replicated.sum_on_every_device`).
+    """
+    whole = tensor_bytes(shape, dtype)
+    if ring.can_chunk(tf.TensorShape(shape), num_devices):
+        return 2 * (num_devices - 1) * whole
+    return num_devices * (num_devices - 1) * whole
 
 
 def reduction_bytes(shape: Sequence[int], dtype, num_devices: int) -> CommunicationBytes:
@@ -166,3 +203,30 @@ def measure_communication(layer, input_spec) -> CommunicationBytes:
         forward_and_backward.get_concrete_function(input_spec).graph, home
     )
     return CommunicationBytes(forward_bytes, total_bytes - forward_bytes)
+
+
+def step_graph(layers: Sequence, input_spec: tf.TensorSpec, home: str) -> tf.Graph:
+    """Traces `layers` applied in turn, forward and backward, and returns the graph.
+
+    The input and the gradient of the last output are on `home`, as they are for a
+    stack of layers between layers on one device; each weight's gradient is left where
+    it is made (an optimizer on the weight's device reads it there).
+
+    Example:
+        >>> graph = step_graph(blocks, tf.TensorSpec((8, 32, 64)), "/CPU:0")
+        >>> sent_bytes(graph, "/CPU:0")
+    """
+
+    @tf.function
+    def step(inputs):
+        with tf.device(home):
+            with tf.GradientTape() as tape:
+                tape.watch(inputs)
+                outputs = inputs
+                for layer in layers:
+                    outputs = layer(outputs)
+            upstream = tf.identity(outputs)
+            sources = [inputs] + [v for layer in layers for v in layer.trainable_variables]
+            tape.gradient(outputs, sources, output_gradients=upstream)
+
+    return step.get_concrete_function(input_spec).graph

@@ -102,13 +102,18 @@ class ParallelSelfAttention(TensorParallelLayer):
         )
         return ops.matmul(attended, self.shards["output_kernel"][index])
 
-    def call(self, inputs):
-        partials = [
-            run_on_device(device, functools.partial(self._shard_output, index), handle)
-            for index, (device, handle) in enumerate(
-                zip(self.devices, fan_out(inputs, self.devices), strict=True)
+    def shard_partials(self, shard_inputs):
+        """The K partial outputs before their sum and the bias; shard k reads shard_inputs[k]
+        (on device k) and its partial stays there."""
+        return [
+            run_on_device(device, functools.partial(self._shard_output, index), shard_input)
+            for index, (device, shard_input) in enumerate(
+                zip(self.devices, shard_inputs, strict=True)
             )
         ]
+
+    def call(self, inputs):
+        partials = self.shard_partials(fan_out(inputs, self.devices))
         summed = reduce_partial_sums(partials, self.devices)
         return run_on_device(self.devices[0], lambda total: total + self.output_bias, summed)
 

@@ -69,6 +69,16 @@ class ParallelMLP(TensorParallelLayer):
     def call(self, inputs):
         return self.output_projection(self.hidden(inputs))
 
+    def shard_partials(self, shard_inputs):
+        """The K partial outputs before their sum and the bias; shard k reads shard_inputs[k]
+        (on device k) and its hidden units and partial stay there."""
+        return self.output_projection.shard_partials(self.hidden.shard_outputs(shard_inputs))
+
+    @property
+    def output_bias(self):
+        """The bias added once the partial outputs are summed."""
+        return self.output_projection.bias
+
     def compute_output_shape(self, input_shape):
         return (*input_shape[:-1], self.d_model)
 

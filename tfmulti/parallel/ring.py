@@ -1,11 +1,13 @@
-"""A ring reduce-scatter of placed ops (its backward a ring all-gather), for tensor groups.
+"""A ring reduce-scatter (its backward a ring all-gather) and a ring all-gather of placed ops.
 
 A tensor is cut into K chunks along its last axis, chunk c belonging to device c. In the
 reduce-scatter, chunk c's running sum starts on device c+1 and travels the ring
 c+1 -> c+2 -> ... -> c, each device adding its own piece: K-1 steps, after which device c
 holds chunk c of the sum; each device receives K-1 chunks, (K-1)/K of the tensor. Its
 backward is the matching ring all-gather: each chunk's gradient goes round the ring the
-other way, so every device ends with the whole gradient.
+other way, so every device ends with the whole gradient. `all_gather` sends each chunk
+round the ring the same way, so a reduce-scatter then an all-gather is a ring all-reduce:
+each device receives 2(K-1)/K of the tensor.
 
 The ops are ordinary TensorFlow ops under `tf.device`, so the transfers are graph edges
 (counted by `communication.cross_device_bytes`) and no collective keys or launch order
@@ -56,6 +58,29 @@ def reduce_scatter(tensors: Sequence[tf.Tensor], devices: Sequence[str]) -> list
             running = _add_on(devices[holder], pieces[holder][chunk], running, devices[previous])
         sums.append(running)
     return sums
+
+
+def all_gather(chunks: Sequence[tf.Tensor], devices: Sequence[str]) -> list[tf.Tensor]:
+    """Returns the K chunks joined along the last axis on every device; chunk c is on device c.
+
+    Chunk c travels c -> c+1 -> ... -> c-1, each step a copy on the next device; each
+    device joins its K chunks in order, so every device holds bitwise the same tensor.
+    Not differentiable: callers give its gradient (`tfmulti.parallel.replicated`).
+    """
+    num_devices = len(devices)
+    held = [[None] * num_devices for _ in devices]  # held[device][chunk]
+    for chunk, value in enumerate(chunks):
+        holder = chunk
+        held[holder][chunk] = value
+        for _ in range(num_devices - 1):
+            previous, holder = holder, (holder + 1) % num_devices
+            with tf.device(devices[holder]):
+                held[holder][chunk] = tf.identity(held[previous][chunk])
+    joined = []
+    for device, pieces in zip(devices, held, strict=True):
+        with tf.device(device):
+            joined.append(tf.concat(pieces, axis=-1))
+    return joined
 
 
 def _split_on(device: str, tensor: tf.Tensor, num_chunks: int) -> list[tf.Tensor]:

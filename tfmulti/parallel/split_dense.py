@@ -115,13 +115,17 @@ class ColumnParallelDense(_SplitDense):
             outputs = outputs + self.bias_shards[index]
         return self.activation(outputs)
 
-    def call(self, inputs):
-        shard_outputs = [
-            run_on_device(device, functools.partial(self._shard_output, index), handle)
-            for index, (device, handle) in enumerate(
-                zip(self.devices, fan_out(inputs, self.devices), strict=True)
+    def shard_outputs(self, shard_inputs):
+        """The K output slices; shard k reads shard_inputs[k] (on device k), its slice stays."""
+        return [
+            run_on_device(device, functools.partial(self._shard_output, index), shard_input)
+            for index, (device, shard_input) in enumerate(
+                zip(self.devices, shard_inputs, strict=True)
             )
         ]
+
+    def call(self, inputs):
+        shard_outputs = self.shard_outputs(fan_out(inputs, self.devices))
         return gather(shard_outputs, self.devices) if self.gather_output else shard_outputs
 
     def compute_output_shape(self, input_shape):
@@ -197,12 +201,16 @@ class RowParallelDense(_SplitDense):
             summed = summed + self.bias
         return self.activation(summed)
 
-    def call(self, inputs):
-        pieces = inputs if self.input_is_parallel else scatter(inputs, self.devices)
-        partials = [
+    def shard_partials(self, pieces):
+        """The K partial products before their sum; piece k is on device k, its product too."""
+        return [
             run_on_device(device, ops.matmul, piece, kernel)
             for device, piece, kernel in zip(self.devices, pieces, self.kernel_shards, strict=True)
         ]
+
+    def call(self, inputs):
+        pieces = inputs if self.input_is_parallel else scatter(inputs, self.devices)
+        partials = self.shard_partials(pieces)
         return run_on_device(
             self.devices[0], self._finish, reduce_partial_sums(partials, self.devices)
         )
