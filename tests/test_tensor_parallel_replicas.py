@@ -1,17 +1,22 @@
 """Promises of the replicated residual stream in tensor-parallel Transformer blocks: every
 device of a group ends each reduction with the whole sum, no device sends or receives more
 than its ring all-reduce share plus the one copy in and out of a stack, the bytes are the
-analytic figure, and the numbers are those of one device."""
+analytic and the planner's figures, and the numbers are those of one device."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from models import registry
 from models.transformer import TransformerBlock
+from tfmulti.data import load_source
+from tfmulti.mesh import DeviceMesh
 from tfmulti.parallel import resolve_shard_devices, unsplit_weights
 from tfmulti.parallel.communication import received_bytes, sent_bytes, step_graph, tensor_bytes
 from tfmulti.parallel.replica_handoff import replicas_of
 from tfmulti.parallel.shard_devices import device_key
+from tfmulti.planner import Hardware, blocks_at, score_layout, tensor_group_bytes
+from tfmulti.planner.measure import measure_model_costs
 
 BATCH, LENGTH, WIDTH, HEADS, MLP_WIDTH = 4, 8, 64, 4, 256
 SHAPE = (BATCH, LENGTH, WIDTH)
@@ -111,3 +116,44 @@ def test_every_device_ends_each_reduction_with_the_whole_sum_and_step_equals_one
     replicas = [replica.numpy() for replica in replicas_after_first_block()]
     for replica in replicas[1:]:
         np.testing.assert_array_equal(replica, replicas[0])
+
+
+def test_planner_tensor_bytes_equal_the_measured_graph_bytes_of_a_hybrid_layout():
+    options = {"num_layers": 4, "d_model": 32, "num_heads": 4}
+    costs = measure_model_costs("transformer", "tokens", options, batch_sizes=(2, 4), rounds=1)
+    mesh = DeviceMesh(data=2, pipe=2, tensor=2)
+    global_batch, num_microbatches, boundaries = 8, 2, (3,)
+    microbatch = global_batch // mesh.data // num_microbatches
+    layout = score_layout(
+        blocks_at(costs, microbatch, mesh.tensor, Hardware()),
+        mesh,
+        "1f1b",
+        num_microbatches,
+        1,
+        boundaries,
+        Hardware(),
+    )
+    info = load_source("tokens").info
+    all_devices = resolve_shard_devices(8)
+    measured = 0
+    edges = (0, *boundaries, len(costs.blocks))
+    for stage, (start, end) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
+        group = all_devices[2 * stage : 2 * stage + 2]
+        blocks = registry.build_blocks(
+            "transformer",
+            info.input_shape,
+            info.num_classes,
+            tensor_parallel=2,
+            tensor_parallel_devices=group,
+            **options,
+        )
+        split = [block for block in blocks[start:end] if isinstance(block, TransformerBlock)]
+        shape = (microbatch, *info.input_shape, options["d_model"])
+        with tf.device(group[0]):  # the stage's device, where its unsplit weights live
+            for block in split:
+                block.build(shape)
+        graph = step_graph(split, tf.TensorSpec(shape), group[0])
+        measured += sum(received_bytes(graph, group[0]).values())
+    # Each replica runs each micro-batch through both stages' tensor groups.
+    measured *= num_microbatches * mesh.data
+    assert tensor_group_bytes(costs, layout, global_batch) == measured

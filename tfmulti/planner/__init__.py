@@ -15,6 +15,7 @@ from tfmulti.planner.costs import (
 )
 from tfmulti.planner.scoring import Layout, score_layout
 from tfmulti.planner.search import meshes, search_layouts
+from tfmulti.planner.tensor_bytes import tensor_group_bytes
 
 __all__ = [
     "AffineTime",
@@ -29,4 +30,5 @@ __all__ = [
     "save_costs",
     "score_layout",
     "search_layouts",
+    "tensor_group_bytes",
 ]

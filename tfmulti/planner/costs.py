@@ -17,7 +17,8 @@ The cost file is JSON:
      "blocks": [{"name": "embedding", "params": 6144,
                  "forward_seconds": {"fixed": 2e-4, "per_example": 1e-6},
                  "backward_seconds": {"fixed": 4e-4, "per_example": 2e-6},
-                 "activation_bytes_per_example": 8192, "tensor_allreduces": 0}, ...]}
+                 "activation_bytes_per_example": 8192, "tensor_allreduces": 0,
+                 "tensor_replicated_bytes": 0}, ...]}
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ class BlockCost:
         tensor_allreduces: all-reduces of the block's output per pass when split over a
             tensor group (2 for a Transformer block: after attention and after the MLP);
             0 if the block cannot be split.
+        tensor_replicated_bytes: bytes of the weights every device of a tensor group
+            reads (a Transformer block's norms and the biases after its reductions), sent
+            from the group's first device each pass.
     """
 
     name: str
@@ -88,6 +92,7 @@ class BlockCost:
     backward_seconds: AffineTime
     activation_bytes_per_example: float
     tensor_allreduces: int = 0
+    tensor_replicated_bytes: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +138,7 @@ class ModelCosts:
                     backward_seconds=AffineTime(**block["backward_seconds"]),
                     activation_bytes_per_example=float(block["activation_bytes_per_example"]),
                     tensor_allreduces=int(block.get("tensor_allreduces", 0)),
+                    tensor_replicated_bytes=float(block.get("tensor_replicated_bytes", 0.0)),
                 )
                 for block in data["blocks"]
             )

@@ -82,6 +82,7 @@ def measure_model_costs(
                 backward_seconds=AffineTime.fit(batch_sizes, backward),
                 activation_bytes_per_example=largest.activation_bytes / batch_sizes[-1],
                 tensor_allreduces=_TENSOR_ALLREDUCES.get(type(block).__name__, 0),
+                tensor_replicated_bytes=_tensor_replicated_bytes(block),
             )
         )
     return ModelCosts(
@@ -93,6 +94,13 @@ def measure_model_costs(
         tensor_parallel_sizes=_tensor_parallel_sizes(model, blocks),
         measured_batch_sizes=tuple(batch_sizes),
     )
+
+
+def _tensor_replicated_bytes(block) -> float:
+    """Bytes of the weights every device of the block's tensor group would read, if it splits."""
+    if type(block).__name__ not in _TENSOR_ALLREDUCES:
+        return 0.0
+    return float(block.replicated_weight_bytes())
 
 
 def _tensor_parallel_sizes(model: str, blocks) -> tuple[int, ...]:
