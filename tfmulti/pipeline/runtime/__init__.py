@@ -3,6 +3,7 @@
 Everything that imports TensorFlow lives in this subpackage.
 """
 
+from tfmulti.pipeline.runtime.cost_cache import CostCache
 from tfmulti.pipeline.runtime.export import chained_model
 from tfmulti.pipeline.runtime.graph_partition import GRAPH_PARTITION_POLICIES, choose_boundaries
 from tfmulti.pipeline.runtime.graph_stages import GraphStage, graph_stages
@@ -27,6 +28,7 @@ from tfmulti.pipeline.runtime.timeline_report import (
 
 __all__ = [
     "BlockStage",
+    "CostCache",
     "GRAPH_PARTITION_POLICIES",
     "GraphStage",
     "MODEL_PARALLEL",

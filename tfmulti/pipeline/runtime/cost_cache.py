@@ -25,13 +25,20 @@ _FORMAT = 1
 _VALUE_ONLY_KEYS = ("name", "seed")
 
 
-def block_signature(block: keras.layers.Layer, inputs) -> str:
+def block_signature(block: keras.Operation, inputs, arguments=None) -> str:
     """A key equal for blocks that cost the same: built `block` called on `inputs`.
 
     Two blocks of one class with equal configs (apart from names and seeds, which choose
     initial values only), equal weight shapes and dtypes, and inputs of equal shapes and
     dtypes run the same operations on the same shapes, so they take the same time; a
     Transformer's layers are timed once.
+
+    Args:
+        block: a built layer, or any Keras operation with a config (`keras.ops.cast`'s).
+        inputs: the tensors it was called on (a structure of them).
+        arguments: the call's other arguments, when they may change what it runs (a
+            layer's `use_causal_mask=True`, an embedding's `reverse=True`): any structure
+            of plain values, compared by their `repr`.
 
     Example:
         >>> block_signature(block, x)  # block already called on x
@@ -40,9 +47,11 @@ def block_signature(block: keras.layers.Layer, inputs) -> str:
     description = {
         "class": f"{type(block).__module__}.{type(block).__qualname__}",
         "config": _without_value_only_keys(block.get_config()),
-        "weights": [[list(v.shape), str(v.dtype)] for v in block.weights],
+        "weights": [[list(v.shape), str(v.dtype)] for v in getattr(block, "weights", [])],
         "inputs": [[list(t.shape), t.dtype.name] for t in tf.nest.flatten(inputs)],
     }
+    if arguments is not None:
+        description["arguments"] = arguments
     text = json.dumps(description, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

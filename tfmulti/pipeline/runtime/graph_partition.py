@@ -22,13 +22,16 @@ from tfmulti.model_graph import (
     variables_restored,
 )
 from tfmulti.pipeline.balance import Block, balance
+from tfmulti.pipeline.runtime.cost_cache import CostCache, block_signature
 from tfmulti.pipeline.runtime.graph_stages import run_calls
-from tfmulti.pipeline.runtime.partition import time_block
+from tfmulti.pipeline.runtime.partition import BlockTimings
 
 GRAPH_PARTITION_POLICIES = ("uniform", "params", "time", "memory")
 # The balancer simulates one-stage-per-device schedules; others are balanced as 1F1B.
 _SIMULATED_SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zb_h2")
 _SHOWN_NAMES = 12
+# Stands for a tensor argument of a call in its signature (whose inputs give its shape).
+_TENSOR = "<tensor>"
 
 
 def choose_boundaries(
@@ -39,6 +42,7 @@ def choose_boundaries(
     num_microbatches: int = 1,
     schedule: object = "1f1b",
     sample_input=None,
+    cost_cache: CostCache | None = None,
 ) -> tuple[int, ...]:
     """Returns the index of the first call of stages 1, 2, ... of `graph`.
 
@@ -52,6 +56,7 @@ def choose_boundaries(
         num_microbatches: micro-batches per step, for the simulated step time.
         schedule: the pipeline's schedule (a name is simulated; anything else as 1F1B).
         sample_input: one micro-batch of model input; "time" and "memory" need it.
+        cost_cache: call timings kept between runs ("time" only).
 
     Example:
         >>> choose_boundaries(model, call_graph(model, True), 2, ["dense_3"])
@@ -85,7 +90,13 @@ def choose_boundaries(
             f"partition={policy!r} measures the model on a sample batch. Received: "
             "sample_input=None; pass one micro-batch of model input."
         )
-    blocks = call_blocks(model, graph, sample_input if policy in ("time", "memory") else None)
+    blocks = call_blocks(
+        model,
+        graph,
+        sample_input if policy in ("time", "memory") else None,
+        time_calls=policy == "time",
+        cache=cost_cache,
+    )
     if policy == "memory":
         # The "params" policy is an exact min-max over `Block.params`; given each call's
         # memory, it minimises the largest stage memory instead (as `place` does).
@@ -101,11 +112,19 @@ def choose_boundaries(
     return partition.boundaries
 
 
-def call_blocks(model: keras.Model, graph: CallGraph, sample_input=None) -> list[Block]:
+def call_blocks(
+    model: keras.Model,
+    graph: CallGraph,
+    sample_input=None,
+    time_calls: bool = True,
+    cache: CostCache | None = None,
+) -> list[Block]:
     """Costs each call as a balancer `Block`; a layer called twice counts its weights once.
 
-    With `sample_input`, runs the calls once in training mode, times each on its recorded
-    arguments and counts its output bytes; every variable is restored afterwards.
+    With `sample_input`, runs the calls once in training mode and counts each one's output
+    bytes; with `time_calls` too, times each on its recorded arguments. Calls that cost
+    the same (equal `block_signature`: a GPT-2's decoder layers) are timed once, and with
+    `cache` calls it holds are not timed at all. Every variable is restored afterwards.
 
     Example:
         >>> [block.params for block in call_blocks(model, call_graph(model, True))]
@@ -120,8 +139,9 @@ def call_blocks(model: keras.Model, graph: CallGraph, sample_input=None) -> list
     if sample_input is not None:
         with variables_restored(model):
             calls = _record_calls(model, graph, sample_input)
-            times = [time_block(call, call.tensors) for call in calls]
             activations = [output_bytes(call.outputs) for call in calls]
+            if time_calls:
+                times = _call_seconds(graph, calls, cache)
     return [
         Block(
             forward_time=forward,
@@ -135,6 +155,34 @@ def call_blocks(model: keras.Model, graph: CallGraph, sample_input=None) -> list
             graph.nodes, first_calls, times, activations, strict=True
         )
     ]
+
+
+def _call_seconds(graph, calls, cache) -> list[tuple[float, float]]:
+    timings = BlockTimings(cache)
+    times = [
+        timings.seconds(
+            call,
+            call.tensors,
+            _call_signature(call),
+            f"{type(call.operation).__name__} {node.name}",
+        )
+        for node, call in zip(graph.nodes, calls, strict=True)
+    ]
+    timings.report()
+    return times
+
+
+def _call_signature(call: RecordedCall) -> str | None:
+    """`block_signature` of a recorded call, its plain arguments included; None (time the
+    call on its own) when the operation's config cannot be read."""
+    arguments = tf.nest.map_structure(
+        lambda leaf: _TENSOR if tf.is_tensor(leaf) else leaf, call.structure
+    )
+    try:
+        return block_signature(call.operation, call.tensors, arguments)
+    # A user's layer may fail to give its config in any way; it is then just timed.
+    except Exception:
+        return None
 
 
 def _record_calls(model, graph, sample_input) -> list[RecordedCall]:

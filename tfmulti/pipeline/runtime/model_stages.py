@@ -8,6 +8,7 @@ import keras
 import tensorflow as tf
 
 from tfmulti.model_graph import call_graph, functional_view
+from tfmulti.pipeline.runtime.cost_cache import CostCache
 from tfmulti.pipeline.runtime.graph_partition import choose_boundaries
 from tfmulti.pipeline.runtime.graph_stages import GraphStage, graph_stages
 
@@ -19,6 +20,7 @@ def stages_from_model(
     num_microbatches: int = 1,
     schedule: object = "1f1b",
     sample_input=None,
+    cost_cache: CostCache | None = None,
 ) -> list[GraphStage]:
     """Cuts a functional or Sequential model into `num_stages` stages sharing its layers.
 
@@ -33,6 +35,7 @@ def stages_from_model(
         num_microbatches: micro-batches per step, for the "time" policy's simulation.
         schedule: the pipeline's schedule, for the "time" policy's simulation.
         sample_input: one micro-batch of model input.
+        cost_cache: call timings kept between runs, for the "time" policy.
 
     Example:
         >>> stages = stages_from_model(model, 4, partition="params")
@@ -48,6 +51,13 @@ def stages_from_model(
     functional = functional_view(model)
     graph = call_graph(functional, open_nested=True)
     boundaries = choose_boundaries(
-        functional, graph, num_stages, partition, num_microbatches, schedule, sample_input
+        functional,
+        graph,
+        num_stages,
+        partition,
+        num_microbatches,
+        schedule,
+        sample_input,
+        cost_cache,
     )
     return graph_stages(functional, graph, boundaries)

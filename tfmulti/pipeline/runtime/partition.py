@@ -151,16 +151,15 @@ def measure_blocks(
         >>> costs = measure_blocks(blocks, x[:16], cache=CostCache("costs.json"))
     """
     costs = []
-    timings: dict[str, tuple[float, float]] = {}
-    counts = {"timed": 0, "same as another block": 0, "cached": 0}
+    timings = BlockTimings(cache, rounds)
     inputs = tf.nest.map_structure(tf.convert_to_tensor, sample_input)
     for block in blocks:
         copy = _fresh_copy(block)
         outputs = copy(inputs, training=True)
         forward_time = backward_time = 1.0
         if time_blocks:
-            forward_time, backward_time = _block_seconds(
-                copy, inputs, rounds, cache, timings, counts
+            forward_time, backward_time = timings.seconds(
+                copy, inputs, block_signature(copy, inputs), f"{type(copy).__name__} {copy.name}"
             )
         costs.append(
             Block(
@@ -175,46 +174,76 @@ def measure_blocks(
         )
         inputs = outputs
     if time_blocks:
-        _report_timings(counts, cache)
+        timings.report()
     return costs
 
 
-def _block_seconds(copy, inputs, rounds, cache, timings, counts) -> tuple[float, float]:
-    """`copy`'s (forward, backward) seconds: timed before in this call, cached, or timed now."""
-    signature = block_signature(copy, inputs)
-    if signature in timings:
-        counts["same as another block"] += 1
-        return timings[signature]
-    seconds = cache.get(signature) if cache is not None else None
-    if seconds is None:
-        seconds = time_block(copy, inputs, rounds=rounds)
-        counts["timed"] += 1
-        if cache is not None:
-            cache.put(signature, seconds, f"{type(copy).__name__} {copy.name}")
-    else:
-        counts["cached"] += 1
-    timings[signature] = seconds
-    return seconds
+class BlockTimings:
+    """Forward and backward seconds of blocks, each distinct signature timed once.
 
+    A block whose signature was timed before (in this run, or in `cache`) is not timed
+    again; a block without a signature (None) is always timed. Shared by the reference
+    models' blocks (`measure_blocks`) and a whole model's calls (`call_blocks`).
 
-def _report_timings(counts: dict[str, int], cache: CostCache | None) -> None:
-    if cache is None:
-        logging.info("Block timing: %s.", _counted(counts))
-        return
-    cache.save()
-    if counts["timed"]:
-        logging.info("Block timing: %s; saved to %s.", _counted(counts), cache.path)
-    else:
-        logging.info(
-            "Block timing: used the cached costs in %s (%s); remeasure=True "
-            "(--remeasure_partition) times the blocks again.",
-            cache.path,
-            _counted(counts),
-        )
+    Args:
+        cache: timings kept between runs (`CostCache`); new timings are added to it.
+        rounds: times each block's traced functions are timed; the fastest round counts.
 
+    Example:
+        >>> timings = BlockTimings(CostCache("costs.json"))
+        >>> forward, backward = timings.seconds(block, x, block_signature(block, x), "Dense d")
+        >>> timings.report()  # one log line; saves the cache
+    """
 
-def _counted(counts: dict[str, int]) -> str:
-    return ", ".join(f"{count} {kind}" for kind, count in counts.items() if count)
+    def __init__(self, cache: CostCache | None = None, rounds: int = 1):
+        self.cache = cache
+        self.rounds = rounds
+        self._seconds: dict[str, tuple[float, float]] = {}
+        self._counts = {"timed": 0, "same as another block": 0, "cached": 0}
+
+    def seconds(
+        self, block, inputs, signature: str | None, description: str
+    ) -> tuple[float, float]:
+        """`block`'s (forward, backward) seconds on `inputs`: timed before, cached, or timed now.
+
+        Args:
+            block: called as `block(inputs, training=True)`, with `trainable_variables`.
+            inputs: what `block` is timed on.
+            signature: equal for blocks that cost the same (`block_signature`), or None.
+            description: what the cache file says the entry is, e.g. "Dense dense_3".
+        """
+        if signature in self._seconds:
+            self._counts["same as another block"] += 1
+            return self._seconds[signature]
+        cached = self.cache is not None and signature is not None
+        seconds = self.cache.get(signature) if cached else None
+        if seconds is None:
+            seconds = time_block(block, inputs, rounds=self.rounds)
+            self._counts["timed"] += 1
+            if cached:
+                self.cache.put(signature, seconds, description)
+        else:
+            self._counts["cached"] += 1
+        if signature is not None:
+            self._seconds[signature] = seconds
+        return seconds
+
+    def report(self) -> None:
+        """Logs how many blocks were timed, reused or read from the cache; saves the cache."""
+        counted = ", ".join(f"{count} {kind}" for kind, count in self._counts.items() if count)
+        if self.cache is None:
+            logging.info("Block timing: %s.", counted)
+            return
+        self.cache.save()
+        if self._counts["timed"]:
+            logging.info("Block timing: %s; saved to %s.", counted, self.cache.path)
+        else:
+            logging.info(
+                "Block timing: used the cached costs in %s (%s); remeasure=True "
+                "(--remeasure_partition) times the blocks again.",
+                self.cache.path,
+                counted,
+            )
 
 
 def _fresh_copy(block: keras.layers.Layer) -> keras.layers.Layer:

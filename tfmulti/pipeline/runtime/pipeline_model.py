@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 from collections.abc import Sequence
 
@@ -14,6 +15,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 from tfmulti.pipeline.actions import BACKWARD, WEIGHT_GRAD, Schedule
 from tfmulti.pipeline.dependencies import TimedAction
+from tfmulti.pipeline.runtime.cost_cache import CostCache
 from tfmulti.pipeline.runtime.executor import ScheduleExecutor, StepResult
 from tfmulti.pipeline.runtime.export import chained_model, input_spec
 from tfmulti.pipeline.runtime.loss_shares import (
@@ -290,6 +292,7 @@ class PipelineModel(keras.Model):
         partition: str | Sequence[str] = "params",
         remat: bool | Sequence[bool] = False,
         sample_input=None,
+        cost_cache: CostCache | str | os.PathLike | None = None,
         **kwargs,
     ) -> PipelineModel:
         """Pipelines a whole functional or Sequential Keras model, cut into p·chunks stages.
@@ -313,6 +316,10 @@ class PipelineModel(keras.Model):
                 `sample_input`), or the names of the layers where stages 1.. begin.
             remat: as for `PipelineModel`.
             sample_input: one micro-batch of model input, for "time" and "memory".
+            cost_cache: with "time", where the measured seconds are kept for the next cut
+                of the same model: a JSON file's path or a `CostCache` (whose
+                `remeasure=True` times again). Calls that cost the same (equal layers on
+                equal shapes) are timed once either way.
             **kwargs: passed to `keras.Model` (e.g. `name`).
 
         Example:
@@ -320,7 +327,17 @@ class PipelineModel(keras.Model):
             >>> pipe.compile(optimizer="adam", loss="mse")
             >>> pipe.fit(x, y, batch_size=64)  # doctest: +SKIP
             >>> pipe.save("model.keras")  # the plain model, loadable without tfmulti
+            >>> PipelineModel.from_model(  # times only what costs.json does not hold
+            ...     model, devices, 8, partition="time", sample_input=x[:8], cost_cache="costs.json"
+            ... )  # doctest: +SKIP
         """
+        if isinstance(cost_cache, str | os.PathLike):
+            cost_cache = CostCache(os.fspath(cost_cache))
+        elif cost_cache is not None and not isinstance(cost_cache, CostCache):
+            raise ValueError(
+                "cost_cache must be a JSON file's path or a CostCache. "
+                f"Received: cost_cache={cost_cache!r}"
+            )
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be an integer >= 1. Received: chunks={chunks!r}")
         stages = stages_from_model(
@@ -330,6 +347,7 @@ class PipelineModel(keras.Model):
             num_microbatches,
             schedule,
             sample_input,
+            cost_cache,
         )
         kwargs.setdefault("name", f"{model.name}_pipeline")
         pipe = cls(stages, devices, num_microbatches, schedule, remat, **kwargs)
