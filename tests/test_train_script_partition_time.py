@@ -1,10 +1,11 @@
 """`scripts/train.py --partition=time`: each stage's measured seconds in the split summary,
 and the block timings kept in `--model_dir` so a resumed run does not time again (unless
-told to with `--remeasure_partition`)."""
+told to with `--remeasure_partition`), for reference models and the user's own."""
 
 import json
 import os
 import shutil
+import textwrap
 
 import pytest
 from script_runner import run_script
@@ -111,3 +112,65 @@ def test_a_damaged_cost_cache_costs_one_warning_line_and_the_run_goes_on(tmp_pat
     assert result.stderr.count("damaged block cost cache") == 1
     assert "Traceback" not in result.stderr
     assert len(_read(str(model_dir), "partition_costs.json")["blocks"]) == 3
+
+
+USER_MODULE = textwrap.dedent(
+    """
+    import keras
+
+
+    def repeated_mlp(depth=4):
+        inputs = keras.Input((8, 8, 1))
+        x = keras.layers.Flatten()(inputs)
+        for index in range(depth):
+            x = keras.layers.Dense(16, activation="relu", name=f"hidden_{index}")(x)
+        return keras.Model(inputs, keras.layers.Dense(10, name="head")(x))
+    """
+)
+USER_ARGS = (
+    "--virtual_devices=2",
+    "--strategy=pipeline",
+    "--num_stages=2",
+    "--microbatches=2",
+    "--partition=time",
+    "--model=user_models:repeated_mlp",
+    "--dataset=digits",
+    "--batch_size=16",
+    "--steps_per_epoch=1",
+    "--validation_steps=1",
+)
+
+
+def test_a_user_models_call_timings_are_kept_in_model_dir_for_the_next_run(tmp_path):
+    (tmp_path / "user_models.py").write_text(USER_MODULE)
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    model_dir = str(tmp_path / "run")
+
+    first = run_script("train.py", *USER_ARGS, "--epochs=1", f"--model_dir={model_dir}", env=env)
+
+    assert first.returncode == 0, first.stderr[-3000:]
+    # Flatten, hidden_0 (64 inputs), hidden_1 for the three equal layers, head.
+    assert "4 timed, 2 same as another block" in first.stderr, first.stderr[-3000:]
+    assert len(_read(model_dir, "partition_costs.json")["blocks"]) == 4
+
+    resumed = run_script(
+        "train.py", *USER_ARGS, "--epochs=2", "--resume", f"--model_dir={model_dir}", env=env
+    )
+
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stderr.count("used the cached costs") == 1, resumed.stderr[-3000:]
+    assert " timed" not in resumed.stderr
+
+    remeasured = run_script(
+        "train.py",
+        *USER_ARGS,
+        "--epochs=3",
+        "--resume",
+        "--remeasure_partition",
+        f"--model_dir={model_dir}",
+        env=env,
+    )
+
+    assert remeasured.returncode == 0, remeasured.stderr[-3000:]
+    assert "4 timed, 2 same as another block" in remeasured.stderr
+    assert "used the cached costs" not in remeasured.stderr

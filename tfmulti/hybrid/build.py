@@ -15,6 +15,7 @@ from tfmulti.devices import logical_device_names
 from tfmulti.hybrid.hybrid_model import HybridPipelineModel
 from tfmulti.hybrid.worker_collectives import WorkerCollectives
 from tfmulti.mesh import DeviceMesh, MeshError, parse_mesh
+from tfmulti.pipeline.runtime.cost_cache import CostCache
 from tfmulti.pipeline.runtime.partition import partition_blocks, stages_from_blocks
 from tfmulti.pipeline.runtime.pipeline_model import PipelineModel
 
@@ -177,6 +178,7 @@ def build_hybrid_model_from_model(
     cluster: ClusterInfo | None = None,
     communication: str = "auto",
     collective_timeout: float | None = None,
+    cost_cache: CostCache | str | os.PathLike | None = None,
 ) -> HybridPipelineModel:
     """Builds a `HybridPipelineModel` whose replicas pipeline copies of a whole Keras model.
 
@@ -206,6 +208,7 @@ def build_hybrid_model_from_model(
             partition=partition if first is None else stage_boundaries(first.stages),
             remat=remat,
             sample_input=sample_input,
+            cost_cache=cost_cache if first is None else None,
         )
 
     return _hybrid_of_pipelines(

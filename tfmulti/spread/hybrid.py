@@ -9,7 +9,7 @@ from tfmulti.cluster import ClusterInfo, build_multi_worker_strategy
 from tfmulti.config import TrainConfig
 from tfmulti.spread.base import BuildContext, Spread, check_batch_splits
 from tfmulti.spread.model_source import ModelSource
-from tfmulti.spread.pipeline import model_partition, split_blocks
+from tfmulti.spread.pipeline import model_partition, partition_cost_cache, split_blocks
 
 
 class Hybrid(Spread):
@@ -61,6 +61,7 @@ class Hybrid(Spread):
                 cluster=context.cluster,
                 communication=config.communication,
                 collective_timeout=config.collective_timeout,
+                cost_cache=partition_cost_cache(config),
             )
         boundaries = split_blocks(
             config,

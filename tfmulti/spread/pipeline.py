@@ -39,6 +39,16 @@ def model_partition(partition: str) -> str | list[str]:
     return policy
 
 
+def partition_cost_cache(config: TrainConfig):
+    """`<model_dir>/partition_costs.json` under `--partition=time` (read unless
+    `--remeasure_partition`), so a resumed or repeated run does not time again; else None."""
+    from tfmulti.pipeline.runtime.cost_cache import COST_CACHE_FILE, CostCache
+
+    if config.partition != "time":
+        return None
+    return CostCache(os.path.join(config.model_dir, COST_CACHE_FILE), config.remeasure_partition)
+
+
 def split_blocks(
     config: TrainConfig,
     blocks: list[keras.layers.Layer],
@@ -62,12 +72,8 @@ def _split_and_seconds(
     microbatch_x: np.ndarray,
     schedule: str,
 ) -> tuple[tuple[int, ...], MeasuredStageSeconds | None]:
-    """`split_blocks`, with each stage's measured seconds under `--partition=time`.
-
-    Block timings are kept in `<model_dir>/partition_costs.json`, so a resumed or repeated
-    run of the same model does not time them again (`--remeasure_partition` does).
-    """
-    from tfmulti.pipeline.runtime.cost_cache import COST_CACHE_FILE, CostCache
+    """`split_blocks`, with each stage's measured seconds under `--partition=time`; block
+    timings are kept in `partition_cost_cache(config)`."""
     from tfmulti.pipeline.runtime.partition import block_costs, partition_blocks
 
     if num_stages > len(blocks):
@@ -76,12 +82,7 @@ def _split_and_seconds(
             "stages; use fewer stages (--num_stages, pipe in --mesh) or --chunks."
         )
     timed = config.partition == "time"
-    cache = None
-    if timed:
-        cache = CostCache(
-            os.path.join(config.model_dir, COST_CACHE_FILE), config.remeasure_partition
-        )
-    costs = block_costs(blocks, config.partition, microbatch_x, cache)
+    costs = block_costs(blocks, config.partition, microbatch_x, partition_cost_cache(config))
     partition = partition_blocks(
         blocks,
         num_stages,
@@ -129,6 +130,7 @@ def build_staged_model(
             partition=model_partition(config.partition),
             remat=config.remat,
             sample_input=sample_x[: config.batch_size // num_microbatches],
+            cost_cache=partition_cost_cache(config),
         )
     if config.partition.startswith("layers:"):
         raise ValueError(
