@@ -9,7 +9,8 @@ import pytest
 from pipeline_graph_models import gpt2_causal_lm, masked_model, regression_data, token_data
 
 import tfmulti.pipeline.runtime.partition as partition
-from tfmulti.devices import first_logical_devices
+from tfmulti.devices import first_logical_devices, logical_device_names
+from tfmulti.hybrid import build_hybrid_model_from_model
 from tfmulti.pipeline.runtime import CostCache, PipelineModel
 
 WIDTH, REPEATS = 16, 4
@@ -142,3 +143,28 @@ def test_memory_partition_times_nothing(timed):
 def test_a_cost_cache_of_another_kind_is_refused_naming_it():
     with pytest.raises(ValueError, match="Received: cost_cache=3"):
         _cut(_repeated_dense_model(), np.zeros((4, 8), "float32"), cost_cache=3)
+
+
+def test_a_hybrids_replicas_time_the_model_once_and_reuse_the_cache(tmp_path, timed):
+    path = str(tmp_path / "partition_costs.json")
+    x = np.zeros((4, 8), "float32")
+
+    def build():
+        return build_hybrid_model_from_model(
+            _repeated_dense_model(),
+            "data=2,pipe=2",
+            2,
+            partition="time",
+            sample_input=x,
+            devices=logical_device_names("CPU")[:4],
+            cost_cache=path,
+        )
+
+    first = build()
+    # Replica 0 times stem, one hidden layer and head; the copy is cut at the same calls.
+    assert timed == ["stem", "hidden_0", "head"]
+
+    second = build()
+
+    assert len(timed) == 3
+    assert _stage_sizes(second.replicas[0]) == _stage_sizes(first.replicas[0])
