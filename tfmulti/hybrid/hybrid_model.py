@@ -101,14 +101,12 @@ class HybridPipelineModel(keras.Model):
         self._replicas_synced = False
 
     def compile(self, *args, jit_compile=False, **kwargs):
-        """Like `keras.Model.compile`; refuses XLA (it would merge the devices) and
+        """Like `keras.Model.compile`; `jit_compile=True` compiles each copy's stages with
+        XLA, each for its own device (as `PipelineModel.compile`). Refuses
         `global_clipnorm` (the optimizer sees every copy's gradient, so the norm would be
         sqrt(replicas) times too large; `clipnorm` and `clipvalue` work)."""
-        if jit_compile is True:
-            raise ValueError(
-                "HybridPipelineModel places each stage on its own device, which XLA "
-                "compilation ignores. Received: jit_compile=True; use jit_compile=False."
-            )
+        for replica in self.replicas:
+            replica.compile_stages_with_xla(jit_compile is True)
         super().compile(*args, jit_compile=False, **kwargs)
         if self.optimizer is None:
             return

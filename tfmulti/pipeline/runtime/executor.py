@@ -143,6 +143,11 @@ class ScheduleExecutor:
         ]
         self.rolled = roll_schedule(schedule) if rolled is not False else None
 
+    def set_jit_compile(self, jit_compile: bool) -> None:
+        """Compiles every stage's functions with XLA, each for its own device (or stops)."""
+        for functions in self.stage_functions:
+            functions.set_jit_compile(jit_compile)
+
     def run(
         self,
         microbatch_inputs: Sequence,

@@ -54,9 +54,11 @@ class GraphCut:
     Args:
         graph: the traced graph (e.g. a `wrap_function`'s), whose variable handles are
             captures.
+        jit_compile: compile each function with XLA (on the device it is called on).
     """
 
-    def __init__(self, graph):
+    def __init__(self, graph, jit_compile: bool = False):
+        self.jit_compile = jit_compile
         self._graph_def = graph.as_graph_def()
         self._nodes = {node.name: node for node in self._graph_def.node}
         self._order = {node.name: index for index, node in enumerate(self._graph_def.node)}
@@ -105,7 +107,7 @@ class GraphCut:
             with tf.control_dependencies(ran):
                 return [tf.identity(t) for t in results]
 
-        function = tf.function(piece, autograph=False)
+        function = tf.function(piece, autograph=False, jit_compile=self.jit_compile)
         return function.get_concrete_function(*[tf.TensorSpec(t.shape, t.dtype) for t in feeds])
 
     def _sub_graph_def(self, names: set):

@@ -124,16 +124,19 @@ class PipelineModel(keras.Model):
         self._export = types.SimpleNamespace(model=None, input_spec=None)
 
     def compile(self, *args, jit_compile=False, **kwargs):
-        """Like `keras.Model.compile`; XLA is refused, since it would merge the devices."""
-        if jit_compile is True:
-            raise ValueError(
-                "PipelineModel places each stage on its own device, which XLA compilation "
-                "ignores. Received: jit_compile=True; use jit_compile=False."
-            )
-        self._train_functions = {}
+        """Like `keras.Model.compile`. `jit_compile=True` compiles each stage's functions
+        with XLA for the stage's own device; the step around them (the schedule, transfers,
+        the optimizer) stays a TensorFlow graph, as one XLA cluster would merge the devices.
+        "auto" means no XLA."""
+        self.compile_stages_with_xla(jit_compile is True)
         super().compile(*args, jit_compile=False, **kwargs)
         if self.optimizer is not None:
             place_optimizer_on_variable_devices(self.optimizer)
+
+    def compile_stages_with_xla(self, jit_compile: bool) -> None:
+        """Compiles each stage's functions with XLA from the next trace on (or stops)."""
+        self._train_functions = {}
+        self._executor.set_jit_compile(jit_compile)
 
     def make_train_function(self, force=False):
         # Optimizer slots made during the first trace make tf.function trace the whole

@@ -59,6 +59,7 @@ class TracedStage:
         input_specs: Sequence[tf.TensorSpec],
         differentiate_inputs: bool,
         remat: bool,
+        jit_compile: bool = False,
     ):
         traced = {}
 
@@ -110,7 +111,7 @@ class TracedStage:
                 return Feed("carry", carry_ids[tensor.ref()])
             return Feed("residual", residual_ids[tensor.ref()])
 
-        self._cutter = GraphCut(graph)
+        self._cutter = GraphCut(graph, jit_compile)
         self.forward = self._cutter.function(
             inputs, list(flat_outputs) + residuals, _unread_stateful_ops(forward_ops)
         )
@@ -179,18 +180,27 @@ class StageFunctions:
         differentiate_inputs: whether the backward computes gradients for the stage's
             float inputs (not needed for the first stage).
         remat: whether the backward replays the forward instead of keeping residuals.
+        jit_compile: compile each function (F, B, I, W, and the plain call) with XLA, each
+            for the device the stage runs on.
 
     Example:
         >>> functions = StageFunctions(stage, differentiate_inputs=True, remat=False)
         >>> traced = functions.for_inputs([x], x)  # traces once; later calls reuse it
     """
 
-    def __init__(self, stage, differentiate_inputs: bool, remat: bool):
+    def __init__(self, stage, differentiate_inputs: bool, remat: bool, jit_compile: bool = False):
         self.stage = stage
         self.differentiate_inputs = differentiate_inputs
         self.remat = remat
+        self.jit_compile = jit_compile
         self._traced = {}
         self._calls = {}  # training flag -> the stage's plain call as a tf.function
+
+    def set_jit_compile(self, jit_compile: bool) -> None:
+        """Compiles the stage's functions with XLA from the next trace on (or stops)."""
+        if jit_compile != self.jit_compile:
+            self.jit_compile = jit_compile
+            self._traced, self._calls = {}, {}
 
     def for_inputs(self, flat_inputs: Sequence[tf.Tensor], structure) -> TracedStage:
         """The functions for stage inputs like `flat_inputs` (nested as `structure`)."""
@@ -202,7 +212,12 @@ class StageFunctions:
         key = (repr(tf.nest.map_structure(lambda _: 0, structure)), tuple(specs))
         if key not in self._traced:
             self._traced[key] = TracedStage(
-                self.stage, structure, specs, self.differentiate_inputs, self.remat
+                self.stage,
+                structure,
+                specs,
+                self.differentiate_inputs,
+                self.remat,
+                self.jit_compile,
             )
         return self._traced[key]
 
@@ -219,7 +234,9 @@ class StageFunctions:
         if function is None:
             stage = self.stage
             function = tf.function(
-                lambda stage_inputs: stage(stage_inputs, training=training), autograph=False
+                lambda stage_inputs: stage(stage_inputs, training=training),
+                autograph=False,
+                jit_compile=self.jit_compile,
             )
             self._calls[training] = function
         return function(inputs)
