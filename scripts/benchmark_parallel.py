@@ -15,11 +15,12 @@ state separately) and training examples/sec, timed in rotating rounds.
 The `mesh3d` section trains the reference Transformer on 8 logical devices in each of
 `--meshes` (data x pipe x tensor) with `scripts/train.py`, run by the planner's own
 validation code on the planner's best layout for that mesh, and records measured against
-predicted step seconds. Also the tensor-parallel bytes per step (split layers measured in
-their traced graphs against their analytic counts, times layers, micro-batches and
-replicas) and, for one reduction of a micro-batch's activations, the bytes each device
-of a tensor group receives with reduce-to-one (the former reduction) and with the ring
-all-reduce.
+predicted step seconds. Also the tensor-parallel bytes per step (each stage's split
+Transformer blocks measured in their traced graph against their analytic count and the
+planner's figure, and the vocabulary-split embedding, times micro-batches and replicas),
+the bytes each device of a tensor group sends and receives in one step of one split
+block, and for one reduction of a micro-batch's activations, the bytes each device
+receives with reduce-to-one, the ring to the home device and the ring all-reduce.
 
 Prints a JSON list of records; `--out` writes it.
 
@@ -272,71 +273,121 @@ def _planned_layouts(costs, meshes: list[str]) -> list:
 
 
 def _tensor_group_bytes(costs, layout) -> dict:
-    """Bytes the tensor groups move per step (split layers measured in their traced graphs
-    and counted analytically, times micro-batches and replicas), and the bytes each device
-    of a group receives in one reduction of a micro-batch's activations, reduce-to-one
-    against the ring all-reduce."""
+    """Bytes the tensor groups move per step: each stage's split Transformer blocks measured
+    in their traced graph, counted analytically and predicted by the planner, and the
+    vocabulary-split embedding (times micro-batches and replicas); the bytes each device of
+    a group sends and receives in one step of one split block; and in one reduction of a
+    micro-batch's activations, the bytes each device receives with reduce-to-one, the ring
+    to the home device (standalone split layers, the embedding) and the ring all-reduce."""
     import tensorflow as tf
 
     from models import registry
+    from models.transformer import TransformerBlock
     from tfmulti.data import load_source
-    from tfmulti.parallel import CommunicationBytes, measure_communication, resolve_shard_devices
-    from tfmulti.parallel.collectives import reduce_partial_sums
-    from tfmulti.parallel.communication import received_bytes
+    from tfmulti.parallel import measure_communication, resolve_shard_devices
+    from tfmulti.parallel.communication import received_bytes, sent_bytes, step_graph
     from tfmulti.parallel.shard_devices import device_key
+    from tfmulti.planner import tensor_group_bytes
 
     mesh = layout.mesh
-    devices = resolve_shard_devices(mesh.tensor)
     info = load_source(costs.dataset).info
     microbatch = FLAGS.mesh3d_global_batch // mesh.data // layout.num_microbatches
-    tokens = tf.zeros((microbatch, *info.input_shape), tf.int32)
-    blocks = registry.build_blocks(
-        costs.model,
-        info.input_shape,
-        info.num_classes,
-        tensor_parallel=mesh.tensor,
-        tensor_parallel_devices=devices,
-        **costs.model_options,
-    )
-    outputs = [tokens]
-    for block in blocks:  # build every weight before tracing
-        outputs.append(block(outputs[-1]))
-    split_layers = [(blocks[0].token_embedding, tokens)] + [
-        (layer, outputs[index])
-        for index, block in enumerate(blocks[1:-1], 1)
-        for layer in (block.attention, block.feed_forward)
-    ]
-    measured = analytic = CommunicationBytes(0, 0)
-    for layer, inputs in split_layers:
-        measured += measure_communication(layer, tf.TensorSpec(inputs.shape, inputs.dtype))
-        analytic += layer.communication_bytes(inputs.shape)
+    all_devices = resolve_shard_devices(MESH3D_DEVICES)
+    edges = (0, *layout.boundaries, len(costs.blocks))
+    measured = analytic = 0
+    for stage, (start, end) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
+        group = all_devices[stage * mesh.tensor : (stage + 1) * mesh.tensor]
+        blocks = registry.build_blocks(
+            costs.model,
+            info.input_shape,
+            info.num_classes,
+            tensor_parallel=mesh.tensor,
+            tensor_parallel_devices=group,
+            **costs.model_options,
+        )
+        tokens = tf.zeros((microbatch, *info.input_shape), tf.int32)
+        with tf.device(group[0]):  # the stage's device, where its unsplit weights live
+            activations = blocks[0](tokens)
+        split = [block for block in blocks[start:end] if isinstance(block, TransformerBlock)]
+        spec = tf.TensorSpec(activations.shape)
+        with tf.device(group[0]):
+            for block in split:
+                block.build(spec.shape)
+        graph = step_graph(split, spec, group[0])
+        measured += sum(received_bytes(graph, group[0]).values())
+        for index, block in enumerate(split):
+            moved = block.communication_bytes(
+                spec.shape, enters=index == 0, exits=index == len(split) - 1
+            )
+            analytic += moved.forward + moved.backward
+        if stage == 0:
+            embedding = blocks[0].token_embedding
+            embedding_bytes = measure_communication(
+                embedding, tf.TensorSpec(tokens.shape, tokens.dtype)
+            )
+            embedding_analytic = embedding.communication_bytes(tokens.shape)
+            one_block = step_graph(split[:1], spec, group[0])
+            keys = [device_key(device) for device in group]
+            block_step = {
+                "shape": list(spec.shape),
+                "received_bytes_per_device": [
+                    received_bytes(one_block, group[0]).get(key, 0) for key in keys
+                ],
+                "sent_bytes_per_device": [
+                    sent_bytes(one_block, group[0]).get(key, 0) for key in keys
+                ],
+            }
+            one_reduction = _one_reduction(spec.shape, group)
     per_step = mesh.data * layout.num_microbatches
+    return {
+        "split_blocks_bytes_per_step": {
+            "measured": per_step * measured,
+            "analytic": per_step * analytic,
+            "planner": tensor_group_bytes(costs, layout, FLAGS.mesh3d_global_batch),
+        },
+        "embedding_bytes_per_step": {
+            "measured": per_step * (embedding_bytes.forward + embedding_bytes.backward),
+            "analytic": per_step * (embedding_analytic.forward + embedding_analytic.backward),
+        },
+        "one_block_step": block_step,
+        "one_reduction": one_reduction,
+    }
+
+
+def _one_reduction(shape, devices) -> dict:
+    """Bytes each device receives in one sum of K tensors of `shape`, by collective."""
+    import tensorflow as tf
+
+    from tfmulti.parallel.collectives import reduce_partial_sums
+    from tfmulti.parallel.communication import received_bytes
+    from tfmulti.parallel.replicated import sum_on_every_device
+    from tfmulti.parallel.shard_devices import device_key
 
     partials = []
     for device in devices:
         with tf.device(device):
-            partials.append(tf.identity(tf.random.normal(outputs[1].shape)))
+            partials.append(tf.identity(tf.random.normal(shape)))
 
     def reduce_to_one(partials, devices):
         with tf.device(devices[0]):
             return tf.add_n(partials)
 
     received = {}
-    for name, reduce in (("reduce_to_one", reduce_to_one), ("ring", reduce_partial_sums)):
-        traced = tf.function(lambda reduce=reduce: reduce(partials, devices))
+    collectives = (
+        ("reduce_to_one", reduce_to_one),
+        ("ring_to_home", reduce_partial_sums),
+        ("all_reduce", sum_on_every_device),
+    )
+    for name, reduce in collectives:
+
+        @tf.function
+        def traced(reduce=reduce):
+            # Nothing returned: a function's outputs would be copied to one device.
+            reduce(partials, devices)
+
         by_device = received_bytes(traced.get_concrete_function().graph, devices[0])
         received[name] = [by_device.get(device_key(device), 0) for device in devices]
-    return {
-        "tensor_parallel_bytes_per_step": {
-            "measured": per_step * (measured.forward + measured.backward),
-            "analytic": per_step * (analytic.forward + analytic.backward),
-            "equal": measured == analytic,
-        },
-        "one_reduction": {
-            "shape": list(outputs[1].shape),
-            "received_bytes_per_device": received,
-        },
-    }
+    return {"shape": list(shape), "received_bytes_per_device": received}
 
 
 def mesh3d_records() -> list[dict]:
