@@ -215,12 +215,12 @@ class BlockTimings:
         if signature in self._seconds:
             self._counts["same as another block"] += 1
             return self._seconds[signature]
-        cached = self.cache is not None and signature is not None
-        seconds = self.cache.get(signature) if cached else None
+        cacheable = self.cache is not None and signature is not None
+        seconds = self.cache.get(signature) if cacheable else None
         if seconds is None:
             seconds = time_block(block, inputs, rounds=self.rounds)
             self._counts["timed"] += 1
-            if cached:
+            if cacheable:
                 self.cache.put(signature, seconds, description)
         else:
             self._counts["cached"] += 1
