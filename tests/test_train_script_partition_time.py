@@ -1,6 +1,7 @@
 """`scripts/train.py --partition=time`: each stage's measured seconds in the split summary,
-and the block timings kept in `--model_dir` so a resumed run does not time again (unless
-told to with `--remeasure_partition`), for reference models and the user's own."""
+and the block timings kept in `--model_dir` so a resumed run does not time again (a fresh
+run given the file does with `--remeasure_partition`), for reference models and the user's
+own."""
 
 import json
 import os
@@ -79,6 +80,19 @@ def test_split_summary_shows_each_stages_measured_seconds_and_share(tmp_path):
         "--resume",
         "--remeasure_partition",
         f"--model_dir={model_dir}",
+    )
+
+    # The resumed run's checkpoint holds the old cut, which new timings could move.
+    assert remeasured.returncode == 0, remeasured.stderr[-3000:]
+    assert "--remeasure_partition is ignored with --resume" in remeasured.stderr
+    assert "used the cached costs" in remeasured.stderr
+    assert " timed" not in remeasured.stderr
+
+    fresh_dir = str(tmp_path / "fresh")
+    os.makedirs(fresh_dir)
+    shutil.copy(os.path.join(model_dir, "partition_costs.json"), fresh_dir)
+    remeasured = run_script(
+        "train.py", *ARGS, "--epochs=1", "--remeasure_partition", f"--model_dir={fresh_dir}"
     )
 
     assert remeasured.returncode == 0, remeasured.stderr[-3000:]

@@ -213,7 +213,8 @@ def define_pipeline_flags() -> None:
         "remeasure_partition",
         False,
         "With --partition=time: time the blocks again instead of reusing the timings kept "
-        "in --model_dir/partition_costs.json.",
+        "in --model_dir/partition_costs.json (not when resuming: the checkpoint holds "
+        "the stages those timings cut).",
     )
     flags.DEFINE_boolean("remat", False, "Recompute each stage's forward in its backward.")
     flags.DEFINE_string(

@@ -6,6 +6,7 @@ import os
 
 import keras
 import numpy as np
+from absl import logging
 
 from tfmulti.config import TrainConfig
 from tfmulti.devices import first_logical_devices
@@ -41,12 +42,26 @@ def model_partition(partition: str) -> str | list[str]:
 
 def partition_cost_cache(config: TrainConfig):
     """`<model_dir>/partition_costs.json` under `--partition=time` (read unless
-    `--remeasure_partition`), so a resumed or repeated run does not time again; else None."""
+    `--remeasure_partition`), so a resumed or repeated run does not time again; else None.
+
+    A resumed run always reads the kept costs: its step checkpoint holds the stages they
+    cut, and new timings could cut the model elsewhere, where the checkpoint does not load.
+    """
     from tfmulti.pipeline.runtime.cost_cache import COST_CACHE_FILE, CostCache
 
     if config.partition != "time":
         return None
-    return CostCache(os.path.join(config.model_dir, COST_CACHE_FILE), config.remeasure_partition)
+    path = os.path.join(config.model_dir, COST_CACHE_FILE)
+    remeasure = config.remeasure_partition
+    if remeasure and config.resume and os.path.exists(path):
+        logging.warning(
+            "--remeasure_partition is ignored with --resume: the run's checkpoint holds the "
+            "stages cut by the costs in %s, and new timings could cut them elsewhere. Start a "
+            "new --model_dir to re-cut.",
+            path,
+        )
+        remeasure = False
+    return CostCache(path, remeasure)
 
 
 def split_blocks(
