@@ -13,7 +13,7 @@ from tfmulti.mesh import MeshError, parse_mesh
 from tfmulti.parallel import ColumnParallelDense
 
 VOCABULARY, LENGTH, BATCH, STEPS = 16, 8, 8, 3
-OPTIONS = {"num_layers": 2, "num_heads": 2, "d_model": 8}
+OPTIONS = {"num_layers": 2, "num_heads": 4, "d_model": 8}
 
 
 def _blocks(devices=None):
@@ -40,12 +40,21 @@ def _optimizer(name):
     return keras.optimizers.SGD(0.5) if name == "sgd" else keras.optimizers.Adam(0.02)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_data_pipe_tensor_mesh_trains_like_the_unsplit_model_on_one_device(optimizer):
+@pytest.mark.parametrize(
+    "mesh_text, optimizer",
+    [
+        ("data=2,pipe=2,tensor=2", "sgd"),
+        ("data=2,pipe=2,tensor=2", "adam"),
+        # One stage per copy (it broke once while 2,2,2 still passed).
+        ("data=2,pipe=1,tensor=4", "sgd"),
+    ],
+)
+def test_data_pipe_tensor_mesh_trains_like_the_unsplit_model_on_one_device(mesh_text, optimizer):
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    mesh = parse_mesh(mesh_text)
     hybrid = build_hybrid_model(
         _blocks,
-        "data=2,pipe=2,tensor=2",
+        mesh_text,
         num_microbatches=2,
         schedule="1f1b",
         devices=logical_device_names("CPU")[:8],
@@ -64,17 +73,18 @@ def test_data_pipe_tensor_mesh_trains_like_the_unsplit_model_on_one_device(optim
     np.testing.assert_allclose(
         hybrid.predict(probe, verbose=0), reference.predict(probe, verbose=0), atol=1e-5
     )
-    # Replica r's stage s splits its layers over devices 4r + 2s and 4r + 2s + 1.
+    # Replica r's stage s splits its layers over the K devices from (r * pipe + s) * K.
+    tensor = mesh.tensor
     for replica_index, replica in enumerate(hybrid.replicas):
         for stage_index, stage in enumerate(replica.stages):
             split = [
                 layer for layer in stage._flatten_layers() if isinstance(layer, ColumnParallelDense)
             ]
-            first = 4 * replica_index + 2 * stage_index
+            first = (replica_index * mesh.pipe + stage_index) * tensor
             assert split
             for layer in split:
                 shard_devices = {device_index(v)[1] for v in layer.trainable_variables}
-                assert shard_devices == {first, first + 1}
+                assert shard_devices == set(range(first, first + tensor))
 
 
 def test_a_tensor_mesh_without_split_layers_or_with_chunks_is_one_clear_error():
