@@ -86,7 +86,9 @@ def test_keras_ops_between_layers_get_signatures_too(timed):
 
     # Four casts of one mask and four multiplies: one of each; masked_0 takes the
     # features, the three layers after it each other's outputs: two distinct layers.
-    assert timed == ["masked_0", "cast", "apply_mask_0", "masked_1", "head"]
+    # Keras numbers an op's auto name by the ops made before it in the process.
+    names = [name if not name.startswith("cast") else "cast" for name in timed]
+    assert names == ["masked_0", "cast", "apply_mask_0", "masked_1", "head"]
 
 
 class _Unconfigurable(keras.layers.Layer):
