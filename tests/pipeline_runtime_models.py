@@ -110,3 +110,20 @@ def max_weight_difference(first: keras.Model, second: keras.Model) -> float:
 def device_index(variable) -> tuple[str, int]:
     spec = tf.DeviceSpec.from_string(variable.value.device)
     return spec.device_type, spec.device_index
+
+
+def token_transformer_and_stages(num_layers: int, num_stages: int, seed: int = 3):
+    """Tokens (x, y), their loss, the reference Transformer built whole, and the same model
+    (same seed) cut into `num_stages` uniform stages: vocabulary 32, 8 tokens, 32 rows."""
+    from models import build_blocks, build_model
+    from tfmulti.pipeline.runtime import partition_blocks, stages_from_blocks
+
+    vocab, sequence = 32, 8
+    options = dict(num_layers=num_layers, num_heads=2, d_model=16)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocab, size=(32, sequence + 1)).astype("int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    whole = build_model("transformer", (sequence,), vocab, seed=seed, **options)
+    blocks = build_blocks("transformer", (sequence,), vocab, seed=seed, **options)
+    boundaries = partition_blocks(blocks, num_stages, "uniform").boundaries
+    return (tokens[:, :-1], tokens[:, 1:]), loss, whole, stages_from_blocks(blocks, boundaries)

@@ -5,11 +5,16 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from pipeline_runtime_models import Chain, dense_stages, max_weight_difference, regression_batches
+from pipeline_runtime_models import (
+    Chain,
+    dense_stages,
+    max_weight_difference,
+    regression_batches,
+    token_transformer_and_stages,
+)
 
-from models import build_blocks, build_model
 from tfmulti.devices import logical_device_names
-from tfmulti.pipeline.runtime import PipelineModel, partition_blocks, stages_from_blocks
+from tfmulti.pipeline.runtime import PipelineModel
 
 STEPS = 3
 BATCH_SIZE = 32
@@ -65,16 +70,8 @@ def test_rolled_pipeline_trains_like_unrolled_and_like_one_device(
 
 
 def test_rolled_transformer_with_sparse_embedding_gradients_and_remat_trains_like_the_model():
-    vocab, sequence = 32, 8
-    options = dict(num_layers=4, num_heads=2, d_model=16)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, vocab, size=(32, sequence + 1)).astype("int32")
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    whole = build_model("transformer", (sequence,), vocab, seed=3, **options)
+    (x, y), loss, whole, stages = token_transformer_and_stages(num_layers=4, num_stages=2)
     whole.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
-    blocks = build_blocks("transformer", (sequence,), vocab, seed=3, **options)
-    stages = stages_from_blocks(blocks, partition_blocks(blocks, 2, "uniform").boundaries)
     pipeline = PipelineModel(
         stages, logical_device_names("CPU")[:2], 8, "1f1b", remat=[True, False]
     )

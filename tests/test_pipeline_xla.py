@@ -6,13 +6,18 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from pipeline_runtime_models import Chain, dense_stages, max_weight_difference, regression_batches
+from pipeline_runtime_models import (
+    Chain,
+    dense_stages,
+    max_weight_difference,
+    regression_batches,
+    token_transformer_and_stages,
+)
 
-from models import build_blocks, build_model
 from tfmulti.devices import logical_device_names
 from tfmulti.hybrid import HybridPipelineModel
 from tfmulti.mesh import parse_mesh
-from tfmulti.pipeline.runtime import PipelineModel, partition_blocks, stages_from_blocks
+from tfmulti.pipeline.runtime import PipelineModel
 
 STEPS = 3
 BATCH_SIZE = 32
@@ -73,16 +78,8 @@ def test_without_jit_compile_nothing_is_compiled_with_xla():
 
 
 def test_compiled_transformer_with_sparse_embedding_gradients_trains_like_the_model():
-    vocab, sequence = 32, 8
-    options = dict(num_layers=2, num_heads=2, d_model=16)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, vocab, size=(32, sequence + 1)).astype("int32")
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    whole = build_model("transformer", (sequence,), vocab, seed=3, **options)
+    (x, y), loss, whole, stages = token_transformer_and_stages(num_layers=2, num_stages=2)
     whole.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, jit_compile=False)
-    blocks = build_blocks("transformer", (sequence,), vocab, seed=3, **options)
-    stages = stages_from_blocks(blocks, partition_blocks(blocks, 2, "uniform").boundaries)
     pipeline = PipelineModel(stages, logical_device_names("CPU")[:2], 8, "1f1b")
     pipeline.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, jit_compile=True)
     whole_history = whole.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)

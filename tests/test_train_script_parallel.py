@@ -52,28 +52,20 @@ def test_pipeline_script_trains_like_one_device(tmp_path, one_device_metrics, sc
         assert json.load(handle)["traceEvents"]
 
 
-def test_pipeline_script_with_xla_stages_trains_like_one_device(tmp_path, one_device_metrics):
+@pytest.mark.parametrize(
+    "strategy_flags",
+    [
+        ("--strategy=model_parallel",),
+        ("--strategy=pipeline", "--microbatches=4", "--jit_compile"),  # XLA per stage
+    ],
+    ids=["model_parallel", "pipeline-xla"],
+)
+def test_staged_script_trains_like_one_device(tmp_path, one_device_metrics, strategy_flags):
     model_dir = str(tmp_path / "run")
     result = run_script(
         "train.py",
         *TWO_EPOCHS,
-        "--strategy=pipeline",
-        "--virtual_devices=2",
-        "--num_stages=2",
-        "--microbatches=4",
-        "--jit_compile",
-        f"--model_dir={model_dir}",
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert_same_training(read_metrics(model_dir), one_device_metrics)
-
-
-def test_model_parallel_script_trains_like_one_device(tmp_path, one_device_metrics):
-    model_dir = str(tmp_path / "run")
-    result = run_script(
-        "train.py",
-        *TWO_EPOCHS,
-        "--strategy=model_parallel",
+        *strategy_flags,
         "--virtual_devices=2",
         "--num_stages=2",
         f"--model_dir={model_dir}",
