@@ -328,20 +328,17 @@ def plot(records, path):
         simulated = [rows[m]["simulated_s"] for m in microbatches]
         bars = times_axis.bar(positions, measured, width, label=schedule)
         times_axis.scatter(positions, simulated, color="black", marker="_", s=200, zorder=3)
-        ratio_axis.plot(
-            microbatches,
-            [rows[m]["speedup_fraction_of_ideal"] for m in microbatches],
-            marker="o",
-            color=bars[0].get_facecolor(),
-            label=schedule,
-        )
-        fidelity_axis.plot(
-            microbatches,
-            [rows[m]["measured_over_simulated_at_hold_cost"] for m in microbatches],
-            marker="o",
-            color=bars[0].get_facecolor(),
-            label=schedule,
-        )
+        for axis, key in (
+            (ratio_axis, "speedup_fraction_of_ideal"),
+            (fidelity_axis, "measured_over_simulated_at_hold_cost"),
+        ):
+            axis.plot(
+                microbatches,
+                [rows[m][key] for m in microbatches],
+                marker="o",
+                color=bars[0].get_facecolor(),
+                label=schedule,
+            )
     times_axis.set_xticks([k + 0.4 - width / 2 for k in range(len(microbatches))])
     times_axis.set_xticklabels([f"m={m}" for m in microbatches])
     times_axis.set_ylabel("step time (s)")
