@@ -1,5 +1,6 @@
-"""`PipelineModel.from_model(..., partition="time")`: calls that cost the same are timed
-once, and a cost cache lets the next cut of the same model time nothing."""
+"""`PipelineModel.from_model(..., partition="time")` and layer placement by time: calls
+that cost the same are timed once, and a cost cache lets the next cut (or placement) of the
+same model time nothing."""
 
 import logging
 
@@ -11,6 +12,7 @@ from pipeline_graph_models import gpt2_causal_lm, masked_model, regression_data,
 import tfmulti.pipeline.runtime.partition as partition
 from tfmulti.devices import first_logical_devices, logical_device_names
 from tfmulti.hybrid import build_hybrid_model_from_model
+from tfmulti.parallel import place
 from tfmulti.pipeline.runtime import CostCache, PipelineModel
 
 WIDTH, REPEATS = 16, 4
@@ -170,3 +172,26 @@ def test_a_hybrids_replicas_time_the_model_once_and_reuse_the_cache(tmp_path, ti
 
     assert len(timed) == 3
     assert _stage_sizes(second.replicas[0]) == _stage_sizes(first.replicas[0])
+
+
+def test_layer_placement_times_identical_layers_once_and_then_reads_the_cache(timed, tmp_path):
+    x = np.random.default_rng(0).normal(size=(8, 8)).astype("float32")
+    cache_file = str(tmp_path / "partition_costs.json")
+
+    def placed():
+        return place(
+            _repeated_dense_model(),
+            devices=[0, 1],
+            balance="time",
+            sample_input=x,
+            print_fn=None,
+            cost_cache=cache_file,
+        )
+
+    first = placed()
+    assert timed == ["stem", "hidden_0", "head"]
+    timed.clear()
+    second = placed()
+    assert timed == []
+    devices = [[layer.device for layer in p.placement_summary.layers] for p in (first, second)]
+    assert devices[0] == devices[1]

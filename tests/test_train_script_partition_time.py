@@ -192,3 +192,24 @@ def test_a_user_models_call_timings_are_kept_in_model_dir_for_the_next_run(tmp_p
     assert remeasured.returncode == 0, remeasured.stderr[-3000:]
     assert "4 timed, 2 same as another block" in remeasured.stderr
     assert "used the cached costs" not in remeasured.stderr
+
+
+def test_layer_placement_of_a_user_model_reuses_the_kept_timings(tmp_path):
+    (tmp_path / "user_models.py").write_text(USER_MODULE)
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    model_dir = str(tmp_path / "run")
+    pipeline_only = ("--strategy", "--microbatches", "--partition")
+    placed_args = [arg for arg in USER_ARGS if not arg.startswith(pipeline_only)]
+    placed_args += ["--strategy=model_parallel", "--placement=time"]
+
+    first = run_script("train.py", *placed_args, "--epochs=1", f"--model_dir={model_dir}", env=env)
+    resumed = run_script(
+        "train.py", *placed_args, "--epochs=2", "--resume", f"--model_dir={model_dir}", env=env
+    )
+
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "timed" in first.stderr and "same as another block" in first.stderr
+    assert os.path.exists(os.path.join(model_dir, "partition_costs.json"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stderr.count("used the cached costs") == 1, resumed.stderr[-3000:]
+    assert " timed" not in resumed.stderr

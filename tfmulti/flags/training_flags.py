@@ -212,7 +212,8 @@ def define_pipeline_flags() -> None:
     flags.DEFINE_boolean(
         "remeasure_partition",
         False,
-        "With --partition=time: time the blocks again instead of reusing the timings kept "
+        "With --partition=time (and layer placement): time the blocks again instead of "
+        "reusing the timings kept "
         "in --model_dir/partition_costs.json (not when resuming: the checkpoint holds "
         "the stages those timings cut).",
     )

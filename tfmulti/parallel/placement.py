@@ -9,6 +9,7 @@ as in the unplaced model (no micro-batching; see `tfmulti.pipeline` for that).
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 
@@ -27,6 +28,7 @@ from tfmulti.parallel.placement_map import (
     resolve_device_list,
 )
 from tfmulti.parallel.placement_summary import LayerPlacement, PlacementSummary
+from tfmulti.pipeline.runtime.cost_cache import CostCache, as_cost_cache
 from tfmulti.pipeline.runtime.optimizer_placement import place_optimizer_on_variable_devices
 from tfmulti.variable_moves import move_variable
 
@@ -127,6 +129,7 @@ def place(
     balance: str | None = None,
     sample_input=None,
     print_fn: Callable[[str], None] | None = print,
+    cost_cache: CostCache | str | os.PathLike | None = None,
 ) -> PlacedModel:
     """Places each layer of a functional model, with its variables and optimizer state, on a device.
 
@@ -146,6 +149,9 @@ def place(
         sample_input: one batch of model input; needed by "time" and "memory", and adds
             measured time and memory to the summary.
         print_fn: prints the summary; None to stay quiet.
+        cost_cache: where the layers' measured seconds are kept for the next placement of
+            the same model (a JSON file's path or a `CostCache`); cached layers are not
+            timed again.
 
     Returns:
         The `PlacedModel`; its `placement_summary` says what went where.
@@ -173,7 +179,13 @@ def place(
         )
     devices = resolve_device_list(devices, logical_device_names())
     units = graph_units(model)
-    blocks = unit_blocks(model, units, sample_input, time_units=sample_input is not None)
+    blocks = unit_blocks(
+        model,
+        units,
+        sample_input,
+        time_units=sample_input is not None,
+        cost_cache=as_cost_cache(cost_cache),
+    )
     if device_map is not None:
         indices = assign_from_map(units, device_map, devices)
     else:
@@ -213,6 +225,7 @@ def place_reference_model(
     placement: str,
     sample_input=None,
     print_fn: Callable[[str], None] | None = print,
+    cost_cache: CostCache | str | os.PathLike | None = None,
 ) -> tuple[PlacedModel, PlacementSummary]:
     """Places a model from a `--placement` value: "auto", a balance policy, or a JSON file.
 
@@ -226,12 +239,12 @@ def place_reference_model(
     """
     if placement == "auto":
         policy = "time" if sample_input is not None else "params"
-        placed = place(model, None, devices, policy, sample_input, print_fn)
+        placed = place(model, None, devices, policy, sample_input, print_fn, cost_cache)
     elif placement in BALANCE_POLICIES:
-        placed = place(model, None, devices, placement, sample_input, print_fn)
+        placed = place(model, None, devices, placement, sample_input, print_fn, cost_cache)
     else:
         device_map = read_placement_file(placement)
-        placed = place(model, device_map, devices, None, sample_input, print_fn)
+        placed = place(model, device_map, devices, None, sample_input, print_fn, cost_cache)
     return placed, placed.placement_summary
 
 

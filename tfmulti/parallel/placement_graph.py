@@ -24,7 +24,9 @@ from tfmulti.model_graph import (
 from tfmulti.pipeline.balance import Block
 
 # Reused so placement and pipeline partitions time blocks the same way.
-from tfmulti.pipeline.runtime.partition import time_block
+from tfmulti.pipeline.runtime.cost_cache import CostCache
+from tfmulti.pipeline.runtime.graph_partition import call_signature
+from tfmulti.pipeline.runtime.partition import BlockTimings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +75,7 @@ def unit_blocks(
     units: Sequence[GraphUnit],
     sample_input=None,
     time_units: bool = False,
+    cost_cache: CostCache | None = None,
 ) -> list[Block]:
     """Costs each unit as a balancer `Block`: parameters, and with a sample, activations and time.
 
@@ -86,26 +89,35 @@ def unit_blocks(
         model: the functional model `units` came from.
         units: `graph_units(model)`.
         sample_input: one batch of model input, or None to count parameters only.
-        time_units: time forward and backward (needs `sample_input`).
+        time_units: time forward and backward (needs `sample_input`); calls that cost the
+            same are timed once, and those in `cost_cache` not at all.
+        cost_cache: call timings kept between runs (`CostCache`).
 
     Example:
         >>> blocks = unit_blocks(model, graph_units(model), x[:32], time_units=True)
     """
     if sample_input is None:
         return [_block(unit, forward_time=1.0, backward_time=2.0) for unit in units]
+    timings = BlockTimings(cost_cache) if time_units else None
     with variables_restored(model):
         calls = _record_calls(model, sample_input)
         blocks = []
         for unit in units:
             recorded = calls.get(unit.name, [])
             forward_time, backward_time = 1.0, 2.0
-            if time_units and recorded:
-                times = [time_block(call, call.tensors) for call in recorded]
+            if timings is not None and recorded:
+                description = f"{type(unit.operation).__name__} {unit.name}"
+                times = [
+                    timings.seconds(call, call.tensors, call_signature(call), description)
+                    for call in recorded
+                ]
                 forward_time = sum(time[0] for time in times)
                 backward_time = sum(time[1] for time in times)
             activation_bytes = sum(output_bytes(call.outputs) for call in recorded)
             blocks.append(_block(unit, forward_time, backward_time, activation_bytes))
-        return blocks
+    if timings is not None:
+        timings.report()
+    return blocks
 
 
 def _block(unit, forward_time, backward_time, activation_bytes=0.0):

@@ -47,10 +47,14 @@ def partition_cost_cache(config: TrainConfig):
     A resumed run always reads the kept costs: its step checkpoint holds the stages they
     cut, and new timings could cut the model elsewhere, where the checkpoint does not load.
     """
+    return kept_costs(config) if config.partition == "time" else None
+
+
+def kept_costs(config: TrainConfig):
+    """The `CostCache` in `<model_dir>/partition_costs.json`: timings of blocks and layer
+    calls kept between runs (re-timed with `--remeasure_partition`, except on `--resume`)."""
     from tfmulti.pipeline.runtime.cost_cache import COST_CACHE_FILE, CostCache
 
-    if config.partition != "time":
-        return None
     path = os.path.join(config.model_dir, COST_CACHE_FILE)
     remeasure = config.remeasure_partition
     if remeasure and config.resume and os.path.exists(path):

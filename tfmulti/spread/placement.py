@@ -9,6 +9,7 @@ from tfmulti.config import TrainConfig
 from tfmulti.devices import first_logical_devices
 from tfmulti.spread.base import BuildContext, DeviceSpread
 from tfmulti.spread.model_source import ModelSource
+from tfmulti.spread.pipeline import kept_costs
 
 # Without --placement, balance by time measured on the sample batch.
 DEFAULT_PLACEMENT = "auto"
@@ -27,5 +28,6 @@ class Placement(DeviceSpread):
             config.placement or DEFAULT_PLACEMENT,
             sample_input=context.sample_x,
             print_fn=logging.info,
+            cost_cache=kept_costs(config),
         )
         return placed

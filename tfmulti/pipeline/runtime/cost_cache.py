@@ -25,6 +25,21 @@ _FORMAT = 1
 _VALUE_ONLY_KEYS = ("name", "seed")
 
 
+def as_cost_cache(value) -> CostCache | None:
+    """`value` as a `CostCache`: a JSON file's path, a `CostCache`, or None.
+
+    Raises:
+        ValueError: `value` is something else.
+    """
+    if isinstance(value, str | os.PathLike):
+        return CostCache(os.fspath(value))
+    if value is not None and not isinstance(value, CostCache):
+        raise ValueError(
+            f"cost_cache must be a JSON file's path or a CostCache. Received: cost_cache={value!r}"
+        )
+    return value
+
+
 def block_signature(block: keras.Operation, inputs, arguments=None) -> str:
     """A key equal for blocks that cost the same: built `block` called on `inputs`.
 

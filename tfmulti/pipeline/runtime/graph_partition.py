@@ -163,7 +163,7 @@ def _call_seconds(graph, calls, cache) -> list[tuple[float, float]]:
         timings.seconds(
             call,
             call.tensors,
-            _call_signature(call),
+            call_signature(call),
             f"{type(call.operation).__name__} {node.name}",
         )
         for node, call in zip(graph.nodes, calls, strict=True)
@@ -172,7 +172,7 @@ def _call_seconds(graph, calls, cache) -> list[tuple[float, float]]:
     return times
 
 
-def _call_signature(call: RecordedCall) -> str | None:
+def call_signature(call: RecordedCall) -> str | None:
     """`block_signature` of a recorded call, its plain arguments included; None (time the
     call on its own) when the operation's config cannot be read."""
     arguments = tf.nest.map_structure(

@@ -15,7 +15,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 from tfmulti.pipeline.actions import BACKWARD, WEIGHT_GRAD, Schedule
 from tfmulti.pipeline.dependencies import TimedAction
-from tfmulti.pipeline.runtime.cost_cache import CostCache
+from tfmulti.pipeline.runtime.cost_cache import CostCache, as_cost_cache
 from tfmulti.pipeline.runtime.executor import ScheduleExecutor, StepResult
 from tfmulti.pipeline.runtime.export import chained_model, input_spec
 from tfmulti.pipeline.runtime.loss_shares import (
@@ -334,13 +334,7 @@ class PipelineModel(keras.Model):
             ...     model, devices, 8, partition="time", sample_input=x[:8], cost_cache="costs.json"
             ... )  # doctest: +SKIP
         """
-        if isinstance(cost_cache, str | os.PathLike):
-            cost_cache = CostCache(os.fspath(cost_cache))
-        elif cost_cache is not None and not isinstance(cost_cache, CostCache):
-            raise ValueError(
-                "cost_cache must be a JSON file's path or a CostCache. "
-                f"Received: cost_cache={cost_cache!r}"
-            )
+        cost_cache = as_cost_cache(cost_cache)
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be an integer >= 1. Received: chunks={chunks!r}")
         stages = stages_from_model(
