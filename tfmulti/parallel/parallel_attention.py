@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import keras
@@ -105,12 +104,7 @@ class ParallelSelfAttention(TensorParallelLayer):
     def shard_partials(self, shard_inputs):
         """The K partial outputs before their sum and the bias; shard k reads shard_inputs[k]
         (on device k) and its partial stays there."""
-        return [
-            run_on_device(device, functools.partial(self._shard_output, index), shard_input)
-            for index, (device, shard_input) in enumerate(
-                zip(self.devices, shard_inputs, strict=True)
-            )
-        ]
+        return self.on_each_shard(self._shard_output, shard_inputs)
 
     def call(self, inputs):
         partials = self.shard_partials(fan_out(inputs, self.devices))

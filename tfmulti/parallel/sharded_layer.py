@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tfmulti.parallel.communication import CommunicationBytes
+from tfmulti.parallel.device_compute import run_on_device
 from tfmulti.parallel.shard_devices import resolve_shard_devices
 
 
@@ -103,6 +105,16 @@ class TensorParallelLayer(keras.layers.Layer):
             shards.append(pin_deferred_initialization(shard, device))
         self.sharded_weights.append(ShardedWeight(shards, axis))
         return shards
+
+    def on_each_shard(self, shard_function: Callable, shard_inputs: Sequence) -> list:
+        """`shard_function(k, shard_inputs[k])` on device k for each shard k; each result
+        stays on its shard's device."""
+        return [
+            run_on_device(device, functools.partial(shard_function, index), shard_input)
+            for index, (device, shard_input) in enumerate(
+                zip(self.devices, shard_inputs, strict=True)
+            )
+        ]
 
     def add_home_weight(self, name: str, shape, initializer) -> keras.Variable:
         """Creates an unsplit weight on the home device."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import keras
@@ -117,12 +116,7 @@ class ColumnParallelDense(_SplitDense):
 
     def shard_outputs(self, shard_inputs):
         """The K output slices; shard k reads shard_inputs[k] (on device k), its slice stays."""
-        return [
-            run_on_device(device, functools.partial(self._shard_output, index), shard_input)
-            for index, (device, shard_input) in enumerate(
-                zip(self.devices, shard_inputs, strict=True)
-            )
-        ]
+        return self.on_each_shard(self._shard_output, shard_inputs)
 
     def call(self, inputs):
         shard_outputs = self.shard_outputs(fan_out(inputs, self.devices))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import keras
@@ -10,7 +9,6 @@ from keras import ops
 
 from tfmulti.parallel.collectives import fan_out, reduce_partial_sums
 from tfmulti.parallel.communication import fan_out_bytes, reduction_bytes
-from tfmulti.parallel.device_compute import run_on_device
 from tfmulti.parallel.shard_devices import check_divisible
 from tfmulti.parallel.sharded_layer import TensorParallelLayer
 
@@ -75,12 +73,7 @@ class VocabParallelEmbedding(TensorParallelLayer):
 
     def call(self, inputs):
         ids = ops.cast(inputs, "int32")
-        partials = [
-            run_on_device(device, functools.partial(self._shard_lookup, index), handle)
-            for index, (device, handle) in enumerate(
-                zip(self.devices, fan_out(ids, self.devices), strict=True)
-            )
-        ]
+        partials = self.on_each_shard(self._shard_lookup, fan_out(ids, self.devices))
         return reduce_partial_sums(partials, self.devices)
 
     def compute_output_shape(self, input_shape):
