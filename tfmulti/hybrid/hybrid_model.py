@@ -13,6 +13,7 @@ from tfmulti.devices import variable_device
 from tfmulti.hybrid.worker_collectives import WorkerCollectives
 from tfmulti.pipeline.actions import Schedule
 from tfmulti.pipeline.runtime.executor import add_gradients
+from tfmulti.pipeline.runtime.grappler_iterations import OptimisedOnceSteps
 from tfmulti.pipeline.runtime.loss_shares import BatchTotals, batch_totals
 from tfmulti.pipeline.runtime.microbatches import (
     concat_microbatches,
@@ -24,7 +25,7 @@ from tfmulti.pipeline.runtime.optimizer_placement import place_optimizer_on_vari
 from tfmulti.pipeline.runtime.pipeline_model import PipelineModel
 
 
-class HybridPipelineModel(keras.Model):
+class HybridPipelineModel(OptimisedOnceSteps, keras.Model):
     """A pipelined model copied into data-parallel replicas that train as one model.
 
     Each local replica is a `PipelineModel` on its own devices. A training step splits the

@@ -18,6 +18,7 @@ from tfmulti.pipeline.dependencies import TimedAction
 from tfmulti.pipeline.runtime.cost_cache import CostCache, as_cost_cache
 from tfmulti.pipeline.runtime.executor import ScheduleExecutor, StepResult
 from tfmulti.pipeline.runtime.export import chained_model, input_spec
+from tfmulti.pipeline.runtime.grappler_iterations import OptimisedOnceSteps
 from tfmulti.pipeline.runtime.loss_shares import (
     BatchTotals,
     batch_totals,
@@ -44,7 +45,7 @@ from tfmulti.pipeline.runtime.placement import (
 from tfmulti.pipeline.runtime.schedule_choice import resolve_schedule
 
 
-class PipelineModel(keras.Model):
+class PipelineModel(OptimisedOnceSteps, keras.Model):
     """A Keras model made of stages on several devices, trained by a pipeline schedule.
 
     Each training step splits the batch, of any size, into `num_microbatches` micro-batches
