@@ -35,6 +35,15 @@ flags.DEFINE_list("microbatches", ["4", "8", "16", "32", "64"], "Pipeline micro-
 flags.DEFINE_integer("num_devices", 4, "Pipeline stages p (one per device).", lower_bound=2)
 flags.DEFINE_integer("batch_size", 64, "Rows per training step.", lower_bound=1)
 flags.DEFINE_boolean("hybrid", True, "Also measure a data=2,pipe=2 hybrid model.")
+flags.DEFINE_integer(
+    "steady_steps", 5, "Further runs whose median step time is reported.", lower_bound=1
+)
+flags.DEFINE_boolean(
+    "grappler_once",
+    True,
+    "Run pipeline and hybrid steps as fit does, with one Grappler iteration "
+    "(--nograppler_once: TensorFlow's default two, for a before/after).",
+)
 flags.DEFINE_string("only", None, "Measure one configuration KIND:LAYERS:M in this process.")
 flags.DEFINE_string("out", None, "Write the JSON records to this file.")
 flags.DEFINE_string("plot", None, "Draw start-up CPU seconds against m into this PNG.")
@@ -80,24 +89,36 @@ def measure(kind: str, layers: int, microbatches: int) -> dict:
     model(data[0][:2])
     order = getattr(model, "optimizer_variable_order", None)
     model.optimizer.build(order() if order else model.trainable_variables)
+    from tfmulti.pipeline.runtime.grappler_iterations import OptimisedOnceSteps, optimised_once
+
     step = tf.function(model.train_step, autograph=False)
     wall, cpu = time.perf_counter(), time.process_time()
     concrete = step.get_concrete_function(data)
+    if FLAGS.grappler_once and isinstance(model, OptimisedOnceSteps):
+        concrete = optimised_once(concrete)
     trace_s = time.perf_counter() - wall
     concrete(data)
     first_step_s, first_step_cpu_s = time.perf_counter() - wall, time.process_time() - cpu
     again = time.perf_counter()
     concrete(data)
-    graph = concrete.graph.as_graph_def()
+    second_step_s = time.perf_counter() - again
+    steady = []
+    for _ in range(FLAGS.steady_steps):
+        start = time.perf_counter()
+        concrete(data)
+        steady.append(time.perf_counter() - start)
+    graph = step.get_concrete_function(data).graph.as_graph_def()
     return {
         "benchmark": "startup",
         "kind": kind,
+        "grappler_once": FLAGS.grappler_once and kind != "one_device",
         "layers": layers,
         "microbatches": microbatches,
         "trace_s": trace_s,
         "first_step_s": first_step_s,
         "first_step_cpu_s": first_step_cpu_s,
-        "second_step_s": time.perf_counter() - again,
+        "second_step_s": second_step_s,
+        "steady_step_s": float(np.median(steady)),
         "step_nodes": len(graph.node),
         "rolled": any(node.op in ("While", "StatelessWhile") for node in graph.node),
         "total_nodes": len(graph.node) + sum(len(f.node_def) for f in graph.library.function),
@@ -120,6 +141,7 @@ def _configurations() -> list[tuple[str, int, int]]:
 def _run_fresh(kind: str, layers: int, microbatches: int) -> dict:
     command = [sys.executable, os.path.abspath(__file__), f"--only={kind}:{layers}:{microbatches}"]
     command += [f"--num_devices={FLAGS.num_devices}", f"--batch_size={FLAGS.batch_size}"]
+    command += [f"--steady_steps={FLAGS.steady_steps}", f"--grappler_once={FLAGS.grappler_once}"]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"{kind} layers={layers} m={microbatches} failed:\n{result.stderr}")
