@@ -11,6 +11,7 @@ TRAIN_STRATEGY_NAMES = (
     STRATEGY_NAMES + STAGED_STRATEGY_NAMES + (HYBRID_STRATEGY_NAME, KERAS_MODEL_PARALLEL_NAME)
 )
 ALL_REDUCE_NAMES = ("auto", "nccl", "hierarchical_copy", "reduce_to_one_device")
+TENSOR_REDUCTION_NAMES = ("ring", "collective")
 MODEL_NAMES = ("mlp", "convnet", "resnet", "transformer")
 DATASET_NAMES = ("synthetic", "digits", "npz", "tfrecord", "tokens")
 # Set by scripts/launch.py on every worker: 0 on the first start, then the restart number.

@@ -15,6 +15,7 @@ from tfmulti.names import (
     DATASET_NAMES,
     KERAS_MODEL_PARALLEL_NAME,
     MODEL_NAMES,
+    TENSOR_REDUCTION_NAMES,
     TRAIN_STRATEGY_NAMES,
 )
 from tfmulti.pipeline.schedules import SCHEDULE_NAMES
@@ -253,6 +254,13 @@ def define_pipeline_flags() -> None:
         "Split the Transformer's attention heads, MLP hidden units and vocabulary over K "
         "devices (Megatron-style); with --strategy=model_parallel --model=transformer.",
         lower_bound=1,
+    )
+    flags.DEFINE_enum(
+        "tensor_reduce",
+        "ring",
+        TENSOR_REDUCTION_NAMES,
+        "All-reduce of tensor-parallel layers (--tensor_parallel, --mesh=...,tensor=K): ring "
+        "(placed ring ops) or collective (TensorFlow's collective ops, NCCL on GPUs).",
     )
     flags.DEFINE_string(
         "layout_map",

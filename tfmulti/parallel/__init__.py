@@ -27,6 +27,12 @@ from tfmulti.parallel.sharded_layer import (
     unsplit_weights,
 )
 from tfmulti.parallel.split_dense import ColumnParallelDense, RowParallelDense
+from tfmulti.parallel.tensor_reduction import (
+    TENSOR_REDUCTIONS,
+    set_tensor_reduction,
+    tensor_reduction,
+    tensor_reduction_scope,
+)
 from tfmulti.parallel.unsplit import TensorParallelModel, has_tensor_parallel_layers, unsplit_model
 from tfmulti.parallel.variable_bytes import variable_bytes_per_device
 from tfmulti.parallel.vocab_embedding import VocabParallelEmbedding
@@ -40,6 +46,7 @@ __all__ = [
     "PlacedModel",
     "PlacementSummary",
     "RowParallelDense",
+    "TENSOR_REDUCTIONS",
     "TensorParallelLayer",
     "TensorParallelModel",
     "VocabParallelEmbedding",
@@ -52,8 +59,11 @@ __all__ = [
     "pre_ln_block",
     "pre_ln_block_bytes",
     "resolve_shard_devices",
+    "set_tensor_reduction",
     "set_unsplit_weights",
     "shard",
+    "tensor_reduction",
+    "tensor_reduction_scope",
     "unsplit_model",
     "unsplit_weights",
     "variable_bytes_per_device",

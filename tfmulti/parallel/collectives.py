@@ -18,7 +18,8 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from tfmulti.parallel import ring
+from tfmulti.parallel import collective_all_reduce, ring
+from tfmulti.parallel.tensor_reduction import tensor_reduction
 
 
 def reduce_partial_sums(partials: Sequence[tf.Tensor], devices: Sequence[str]) -> tf.Tensor:
@@ -30,9 +31,11 @@ def reduce_partial_sums(partials: Sequence[tf.Tensor], devices: Sequence[str]) -
     `replicated.all_reduce`). Every device receives (K-1)/K of the tensor, the home
     device twice that; backward, the gradient is scattered from home and all-gathered
     round the ring. A last axis shorter than K (or unknown) is summed on the home device.
-    TensorFlow's collective ops are not used: on this TensorFlow's logical CPU devices
-    even a two-device `CollectiveReduceV2` times out waiting for its peer (BUILD.md).
+    Under `tensor_reduction()` "collective", a collective all-reduce over the group
+    (`collective_all_reduce.reduce_to_first`) instead.
     """
+    if tensor_reduction() == "collective" and len(devices) > 1:
+        return collective_all_reduce.reduce_to_first(partials, devices)
     if not ring.can_chunk(partials[0].shape, len(devices)) or len(devices) == 1:
         with tf.device(devices[0]):
             return tf.add_n(list(partials))

@@ -25,8 +25,9 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from tfmulti.parallel import ring
+from tfmulti.parallel import collective_all_reduce, ring
 from tfmulti.parallel.multi_device_op import multi_device_op
+from tfmulti.parallel.tensor_reduction import tensor_reduction
 
 
 def sum_on_every_device(tensors: Sequence[tf.Tensor], devices: Sequence[str]) -> list[tf.Tensor]:
@@ -34,7 +35,10 @@ def sum_on_every_device(tensors: Sequence[tf.Tensor], devices: Sequence[str]) ->
 
     A ring reduce-scatter then a ring all-gather, each device receiving 2(K-1)/K of the
     tensor; a last axis shorter than K (or unknown) is summed on every device from all K.
+    Under `tensor_reduction()` "collective", TensorFlow's collective all-reduce instead.
     """
+    if tensor_reduction() == "collective":
+        return collective_all_reduce.sum_on_every_device(tensors, devices)
     if ring.can_chunk(tensors[0].shape, len(devices)):
         return ring.all_gather(ring.reduce_scatter(tensors, devices), devices)
     sums = []

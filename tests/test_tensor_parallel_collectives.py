@@ -1,0 +1,387 @@
+"""Promises of tensor-parallel reductions with TensorFlow's collective ops
+(`tensor_reduction` "collective"): they sum like the ring and numpy, forward and backward;
+split blocks, the reference Transformer and pipelines of tensor groups (rolled loops
+included) train like one device with them; the traced step holds one CollectiveReduceV2
+per device per reduction and no ring transfers; `scripts/train.py --tensor_reduce` runs
+end to end, and a bad value is one line."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from script_runner import assert_same_training, last_line, read_metrics, run_script
+
+from models import build_model, registry
+from models.transformer import TransformerBlock
+from tfmulti.devices import logical_device_names
+from tfmulti.hybrid import build_hybrid_model
+from tfmulti.mesh import parse_mesh
+from tfmulti.names import TENSOR_REDUCTION_NAMES
+from tfmulti.parallel import (
+    TENSOR_REDUCTIONS,
+    collective_all_reduce,
+    replicated,
+    resolve_shard_devices,
+    tensor_reduction,
+    tensor_reduction_scope,
+    unsplit_weights,
+)
+from tfmulti.parallel.communication import received_bytes, sent_bytes, step_graph, tensor_bytes
+from tfmulti.parallel.shard_devices import device_key
+from tfmulti.pipeline.runtime.optimizer_placement import place_optimizer_on_variable_devices
+
+SHAPE = (4, 8, 64)
+WIDTH, HEADS, MLP_WIDTH = 64, 4, 256
+_COLLECTIVE = "CollectiveReduceV2"
+
+
+@pytest.fixture(autouse=True)
+def _fail_fast_instead_of_hanging(monkeypatch):
+    # A collective whose peer never comes fails the test within a minute, not ten.
+    monkeypatch.setattr(collective_all_reduce, "TIMEOUT_SECONDS", 60.0)
+
+
+def _collective_ops(graph_def) -> int:
+    """CollectiveReduceV2 nodes in a graph and all the functions it calls."""
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:
+        nodes.extend(function.node_def)
+    return sum(node.op == _COLLECTIVE for node in nodes)
+
+
+def _blocks(num_blocks, devices):
+    blocks = [
+        TransformerBlock(WIDTH, HEADS, MLP_WIDTH, seed=index, tensor_parallel_devices=devices)
+        for index in range(num_blocks)
+    ]
+    for block in blocks:
+        block.build(SHAPE)
+    return blocks
+
+
+def test_the_reduction_names_are_those_the_command_line_offers():
+    assert TENSOR_REDUCTIONS == TENSOR_REDUCTION_NAMES == ("ring", "collective")
+    assert tensor_reduction() == "ring"
+    with pytest.raises(ValueError, match="Received: 'nccl'"):
+        with tensor_reduction_scope("nccl"):
+            pass
+    assert tensor_reduction() == "ring"
+
+
+@pytest.mark.parametrize("num_devices", [2, 4])
+def test_collective_all_reduce_sums_like_the_ring_and_numpy_forward_and_backward(num_devices):
+    devices = resolve_shard_devices(num_devices)
+    rng = np.random.default_rng(num_devices)
+    values = rng.normal(size=(num_devices, 3, 10)).astype("float32")
+    # Each output k is weighted by its own tensor, so a wrong backward shows.
+    weights = rng.normal(size=(num_devices, 3, 10)).astype("float32")
+
+    def placed(arrays):
+        tensors = []
+        for device, array in zip(devices, arrays, strict=True):
+            with tf.device(device):
+                tensors.append(tf.constant(array))
+        return tensors
+
+    @tf.function
+    def sums_and_gradients():
+        inputs = placed(values)
+        ring = replicated.sum_on_every_device(inputs, devices)
+        with tf.GradientTape() as tape:
+            tape.watch(inputs)
+            outputs = collective_all_reduce.all_reduce(inputs, devices)
+            loss = tf.add_n(
+                [tf.reduce_sum(o * w) for o, w in zip(outputs, placed(weights), strict=True)]
+            )
+        return ring, outputs, tape.gradient(loss, inputs)
+
+    ring, collective, gradients = sums_and_gradients()
+    # Called eagerly (a model's first call, debugging) it gives the same sums.
+    eager = collective_all_reduce.sum_on_every_device(placed(values), devices)
+    for eager_sum in eager:
+        np.testing.assert_array_equal(eager_sum.numpy(), collective[0].numpy())
+    for ring_sum, collective_sum in zip(ring, collective, strict=True):
+        np.testing.assert_allclose(collective_sum.numpy(), values.sum(axis=0), atol=1e-6)
+        np.testing.assert_allclose(collective_sum.numpy(), ring_sum.numpy(), atol=1e-6)
+    for gradient in gradients:
+        np.testing.assert_allclose(gradient.numpy(), weights.sum(axis=0), atol=1e-6)
+    # One collective per device forward and one backward, each on its device.
+    graph = sums_and_gradients.get_concrete_function().graph
+    placed_on = [device_key(op.device) for op in graph.get_operations() if op.type == _COLLECTIVE]
+    assert sorted(placed_on) == sorted([device_key(device) for device in devices] * 2)
+
+
+@pytest.mark.parametrize("num_devices", [2, 4])
+def test_megatron_operators_give_the_same_values_and_gradients_with_either_reduction(
+    num_devices,
+):
+    devices = resolve_shard_devices(num_devices)
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=(num_devices, 2, 8)).astype("float32")
+    weights = rng.normal(size=(num_devices, 2, 8)).astype("float32")
+
+    def run():
+        @tf.function
+        def step():
+            inputs = []
+            for device, array in zip(devices, values, strict=True):
+                with tf.device(device):
+                    inputs.append(tf.constant(array))
+            with tf.GradientTape() as tape:
+                tape.watch(inputs)
+                # f then a per-device product then g: a column-then-row pair's reductions.
+                shards = replicated.reduce_gradients(inputs, devices)
+                partials = [tf.sin(s) * w for s, w in zip(shards, weights, strict=True)]
+                sums = replicated.all_reduce(partials, devices)
+                loss = tf.reduce_sum(sums[0] * sums[0])
+            return sums, tape.gradient(loss, inputs)
+
+        sums, gradients = step()
+        return [s.numpy() for s in sums], [g.numpy() for g in gradients]
+
+    with tensor_reduction_scope("ring"):
+        ring_sums, ring_gradients = run()
+    with tensor_reduction_scope("collective"):
+        collective_sums, collective_gradients = run()
+    expected = (np.sin(values) * weights).sum(axis=0)
+    for ring_sum, collective_sum in zip(ring_sums, collective_sums, strict=True):
+        np.testing.assert_allclose(collective_sum, expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(collective_sum, ring_sum, rtol=1e-5, atol=1e-6)
+    for ring_gradient, collective_gradient in zip(
+        ring_gradients, collective_gradients, strict=True
+    ):
+        np.testing.assert_allclose(collective_gradient, ring_gradient, rtol=1e-5, atol=1e-6)
+    # The loss reads replica 0 only. Megatron's g hands each partial its own replica's
+    # gradient (zero but for partial 0), and f sums the shards' gradients on every
+    # device, so every x_j gets partial 0's: 2 s cos(x_0) w_0, s = sum_k sin(x_k) w_k.
+    for gradient in collective_gradients:
+        np.testing.assert_allclose(
+            gradient, 2 * expected * np.cos(values[0]) * weights[0], rtol=1e-5, atol=1e-6
+        )
+
+
+def test_split_blocks_with_collective_reductions_step_like_one_device():
+    devices = resolve_shard_devices(4)
+    split = _blocks(2, devices)
+    unsplit = [TransformerBlock(WIDTH, HEADS, MLP_WIDTH, seed=index) for index in range(2)]
+    for plain, parallel in zip(unsplit, split, strict=True):
+        plain.build(SHAPE)
+        plain.set_weights(unsplit_weights(parallel))
+    inputs = tf.constant(np.random.default_rng(0).normal(size=SHAPE).astype("float32"))
+
+    def gradients_of(blocks):
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                tape.watch(inputs)
+                outputs = inputs
+                for block in blocks:
+                    outputs = block(outputs)
+                loss = tf.reduce_sum(tf.sin(outputs))
+            variables = [v for block in blocks for v in block.trainable_variables]
+            return outputs, tape.gradient(loss, [inputs, *variables])
+
+        return step()
+
+    with tensor_reduction_scope("collective"):
+        outputs, gradients = gradients_of(split)
+    expected_outputs, expected_gradients = gradients_of(unsplit)
+    np.testing.assert_allclose(outputs.numpy(), expected_outputs.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gradients[0].numpy(), expected_gradients[0].numpy(), atol=1e-5)
+    for blocks, weight_gradients in ((split, gradients[1:]), (unsplit, expected_gradients[1:])):
+        variables = [v for block in blocks for v in block.trainable_variables]
+        for variable, gradient in zip(variables, weight_gradients, strict=True):
+            variable.assign(variable - 0.1 * gradient)
+    for plain, parallel in zip(unsplit, split, strict=True):
+        for expected, actual in zip(plain.get_weights(), unsplit_weights(parallel), strict=True):
+            np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_blocks", [1, 2])
+def test_traced_step_runs_one_collective_per_device_per_reduction_and_no_ring_transfers(
+    num_blocks,
+):
+    num_devices = 4
+    devices = resolve_shard_devices(num_devices)
+    blocks = _blocks(num_blocks, devices)
+    with tensor_reduction_scope("collective"):
+        graph = step_graph(blocks, tf.TensorSpec(SHAPE), devices[0])
+    # Two reductions forward (after attention, after the MLP) and two backward per block.
+    assert _collective_ops(graph.as_graph_def()) == 4 * num_blocks * num_devices
+    collective_devices = [
+        device_key(op.device) for op in graph.get_operations() if op.type == _COLLECTIVE
+    ]
+    assert sorted(collective_devices) == sorted([device_key(d) for d in devices] * 4 * num_blocks)
+
+    keys = [device_key(device) for device in devices]
+    received, sent = received_bytes(graph, devices[0]), sent_bytes(graph, devices[0])
+    received = [received.get(key, 0) for key in keys]
+    sent = [sent.get(key, 0) for key in keys]
+    activations = tensor_bytes(SHAPE, "float32")
+    weights = num_blocks * blocks[0].replicated_weight_bytes()
+    # Left in the graph: the stack's input along the chain 0 -> 1 -> 2 -> 3 forward and
+    # its output gradient backward, and the norms' and biases' values from device 0; the
+    # ring's 4 * num_blocks reductions of 2(K-1)/K activations each are gone, and no
+    # device sends a reduction's partial sums to another.
+    assert received == [0] + [2 * activations + weights] * 3
+    assert sent == [2 * activations + 3 * weights, 2 * activations, 2 * activations, 0]
+    with tensor_reduction_scope("ring"):
+        ring_graph = step_graph(blocks, tf.TensorSpec(SHAPE), devices[0])
+    assert _collective_ops(ring_graph.as_graph_def()) == 0
+    assert sum(received_bytes(ring_graph, devices[0]).values()) > sum(received)
+
+
+def _collectives_in_a_step(model, x) -> int:
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.sin(model(x)))
+        return tape.gradient(loss, model.trainable_variables)
+
+    return _collective_ops(step.get_concrete_function(tf.constant(x)).graph.as_graph_def())
+
+
+@pytest.mark.parametrize("tensor_parallel", [2, 4])
+def test_transformer_with_collective_reductions_trains_to_the_weights_of_one_device(
+    tensor_parallel,
+):
+    length, vocabulary = 6, 16
+    tokens = np.random.default_rng(1).integers(vocabulary, size=(8, length + 1)).astype("int32")
+    options = {"num_layers": 2, "num_heads": 4, "d_model": 8, "mlp_dim": 16}
+    results, collectives = {}, {}
+    for split in (1, tensor_parallel):
+        with tensor_reduction_scope("collective"):
+            model = build_model(
+                "transformer", (length,), vocabulary, seed=5, tensor_parallel=split, **options
+            )
+            optimizer = keras.optimizers.SGD(learning_rate=0.5)
+            place_optimizer_on_variable_devices(optimizer)
+            model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            initial = unsplit_weights(model)
+            model.fit(
+                tokens[:, :-1], tokens[:, 1:], batch_size=4, epochs=2, shuffle=False, verbose=0
+            )
+            collectives[split] = _collectives_in_a_step(model, tokens[:4, :-1])
+        results[split] = initial, unsplit_weights(model)
+
+    # Every reduction of the split model is a collective: the vocabulary embedding's,
+    # two per block and pass, and each is one op per device.
+    assert collectives[1] == 0
+    assert collectives[tensor_parallel] == tensor_parallel * (2 + 4 * options["num_layers"])
+    (initial_1, trained_1), (initial_k, trained_k) = results[1], results[tensor_parallel]
+    for first, second in zip(initial_1, initial_k, strict=True):
+        np.testing.assert_array_equal(second, first)
+    moved = [not np.allclose(a, b) for a, b in zip(trained_1, initial_1, strict=True)]
+    assert sum(moved) > len(moved) // 2
+    for first, second in zip(trained_1, trained_k, strict=True):
+        np.testing.assert_allclose(second, first, rtol=1e-5, atol=1e-6)
+
+
+def _pipeline_blocks(devices=None):
+    options = {"num_layers": 2, "num_heads": 4, "d_model": 8}
+    if devices is not None:
+        options.update(tensor_parallel=len(devices), tensor_parallel_devices=list(devices))
+    return registry.build_blocks("transformer", (8,), 16, seed=0, **options)
+
+
+def _loops_and_collectives(hybrid, x, y) -> tuple[int, int]:
+    """While loops and CollectiveReduceV2 ops in the step of the hybrid's first replica."""
+
+    @tf.function(autograph=False)
+    def losses(x, y):
+        return hybrid.replicas[0].run_schedule(x, y, loss_model=hybrid).losses
+
+    graph_def = losses.get_concrete_function(x, y).graph.as_graph_def()
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    return sum(node.op in ("While", "StatelessWhile") for node in nodes), _collective_ops(graph_def)
+
+
+@pytest.mark.parametrize(
+    "mesh_text, schedule",
+    [
+        ("data=1,pipe=2,tensor=2", "1f1b"),
+        ("data=1,pipe=2,tensor=2", "zb_h1"),
+        ("data=2,pipe=2,tensor=2", "1f1b"),
+    ],
+)
+def test_pipelined_tensor_groups_with_collectives_in_rolled_loops_train_like_one_device(
+    mesh_text, schedule
+):
+    vocabulary, length, batch, steps = 16, 8, 16, 3
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocabulary, (steps * batch, length + 1)).astype("int32")
+    batches = [
+        (tokens[i * batch : (i + 1) * batch, :-1], tokens[i * batch : (i + 1) * batch, 1:])
+        for i in range(steps)
+    ]
+    with tensor_reduction_scope("collective"):
+        hybrid = build_hybrid_model(
+            _pipeline_blocks,
+            mesh_text,
+            num_microbatches=8,
+            schedule=schedule,
+            devices=logical_device_names("CPU")[: parse_mesh(mesh_text).num_devices],
+            make_split_blocks=_pipeline_blocks,
+        )
+        reference = registry.build_model(
+            "transformer", (length,), vocabulary, seed=0, num_layers=2, num_heads=4, d_model=8
+        )
+        for model in (reference, hybrid):
+            model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss, jit_compile=False)
+        for x, y in batches:
+            np.testing.assert_allclose(
+                hybrid.train_on_batch(x, y), reference.train_on_batch(x, y), rtol=1e-5
+            )
+        rows = batch // len(hybrid.replicas)
+        loops, collectives = _loops_and_collectives(
+            hybrid, tf.constant(batches[0][0][:rows]), tf.constant(batches[0][1][:rows])
+        )
+    # The steady state runs as a loop whose stage functions hold the collectives.
+    assert loops >= 1
+    assert collectives > 0
+    probe = batches[0][0][::-1]
+    np.testing.assert_allclose(
+        hybrid.predict(probe, verbose=0), reference.predict(probe, verbose=0), atol=1e-5
+    )
+
+
+TRANSFORMER_RUN = (
+    "--strategy=model_parallel",
+    "--model=transformer",
+    "--dataset=tokens",
+    "--model_option=num_layers=1",
+    "--batch_size=16",
+    "--epochs=1",
+    "--steps_per_epoch=3",
+    "--validation_steps=2",
+    "--optimizer=sgd",
+    "--learning_rate=0.1",
+    "--num_stages=1",
+    "--virtual_devices=2",
+    "--tensor_parallel=2",
+)
+
+
+def test_train_script_with_collective_tensor_reduce_trains_like_the_ring(tmp_path):
+    records = {}
+    for reduction in ("ring", "collective"):
+        model_dir = str(tmp_path / reduction)
+        result = run_script(
+            "train.py", *TRANSFORMER_RUN, f"--tensor_reduce={reduction}", f"--model_dir={model_dir}"
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        records[reduction] = read_metrics(model_dir)
+    assert_same_training(records["collective"], records["ring"])
+
+
+def test_a_bad_tensor_reduce_value_is_one_line(tmp_path):
+    result = run_script(
+        "train.py", *TRANSFORMER_RUN, "--tensor_reduce=nccl", f"--model_dir={tmp_path}"
+    )
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert "--tensor_reduce" in last_line(result.stderr) or "tensor_reduce" in last_line(
+        result.stderr
+    )
+    assert "ring" in last_line(result.stderr) and "collective" in last_line(result.stderr)
