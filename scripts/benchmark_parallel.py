@@ -22,12 +22,20 @@ the bytes each device of a tensor group sends and receives in one step of one sp
 block, and for one reduction of a micro-batch's activations, the bytes each device
 receives with reduce-to-one, the ring to the home device and the ring all-reduce.
 
+The `tensor_reduce` section times, on --reduce_ways logical devices, a training step of a
+stack of split Transformer blocks and one all-reduce of their activations with each
+tensor reduction (`ring`: placed ring ops; `collective`: TensorFlow's CollectiveReduceV2),
+in ABBA rounds in one process, and records the collective-to-ring ratios; also the bytes
+each device receives over graph edges in the block step (a collective's own transfers are
+not graph edges).
+
 Prints a JSON list of records; `--out` writes it.
 
 Example:
     python scripts/benchmark_parallel.py --d_models=1024,2048 --rows=2048 --out=/tmp/tp.json
     python scripts/benchmark_parallel.py --sections=keras_llama --llama_ways=1,2,4
     python scripts/benchmark_parallel.py --sections=mesh3d --meshes=data=2,pipe=2,tensor=2
+    python scripts/benchmark_parallel.py --sections=tensor_reduce --reduce_ways=2,4
 """
 
 import json
@@ -41,7 +49,7 @@ from tfmulti.flags.parsing import run_script
 from tfmulti.tf_startup import start_tensorflow
 
 define_console_flags()
-SECTIONS = ["mlp", "keras_llama", "mesh3d"]
+SECTIONS = ["mlp", "keras_llama", "mesh3d", "tensor_reduce"]
 MESH3D_DEVICES = 8
 flags.DEFINE_multi_enum("sections", SECTIONS[:2], SECTIONS, "Benchmarks to run.")
 flags.DEFINE_list("d_models", ["1024", "2048"], "Model widths; the MLP's hidden width is 4x.")
@@ -63,7 +71,24 @@ flags.DEFINE_integer("mesh3d_layers", 4, "mesh3d: Transformer blocks.", lower_bo
 flags.DEFINE_integer("mesh3d_global_batch", 32, "mesh3d: examples per step.", lower_bound=8)
 flags.DEFINE_integer("mesh3d_steps", 10, "mesh3d: training steps per epoch.", lower_bound=1)
 flags.DEFINE_integer("mesh3d_epochs", 3, "mesh3d: epochs; all after the first timed.", 2)
+flags.DEFINE_list("reduce_ways", ["2", "4"], "tensor_reduce: devices of the tensor group.")
+flags.DEFINE_list(
+    "reduce_shapes",
+    ["32x32x64", "8x128x256"],
+    "tensor_reduce: activation shapes BATCHxLENGTHxD_MODEL (4 heads, MLP 4 x D_MODEL).",
+)
+flags.DEFINE_integer("reduce_blocks", 2, "tensor_reduce: split blocks in the stack.", 1)
 flags.DEFINE_string("out", None, "Write the JSON records to this file.")
+flags.register_validator(
+    "reduce_ways",
+    lambda values: all(value.isdigit() and int(value) >= 2 for value in values),
+    "each value must be an integer >= 2 (devices of the tensor group)",
+)
+flags.register_validator(
+    "reduce_shapes",
+    lambda values: all(_is_block_shape(value) for value in values),
+    "each value must be BATCHxLENGTHxD_MODEL with D_MODEL a multiple of 4, e.g. 32x32x64",
+)
 flags.register_validator(
     "llama_ways",
     lambda values: all(value.isdigit() and int(value) >= 1 for value in values),
@@ -89,6 +114,15 @@ def _is_mesh_of(num_devices: int, text: str) -> bool:
         return parse_mesh(text).num_devices == num_devices
     except ValueError:
         return False
+
+
+def _is_block_shape(text: str) -> bool:
+    parts = text.split("x")
+    return (
+        len(parts) == 3
+        and all(p.isdigit() and int(p) > 0 for p in parts)
+        and (int(parts[2]) % 4 == 0)
+    )
 
 
 def _training_step(layer, home_device):
@@ -390,6 +424,100 @@ def _one_reduction(shape, devices) -> dict:
     return {"shape": list(shape), "received_bytes_per_device": received}
 
 
+class _Stack:
+    """Layers applied in turn, with their trainable variables, for `_training_step`."""
+
+    def __init__(self, layers):
+        self.layers = layers
+        self.trainable_variables = [v for layer in layers for v in layer.trainable_variables]
+
+    def __call__(self, inputs):
+        for layer in self.layers:
+            inputs = layer(inputs)
+        return inputs
+
+
+def _all_reduce_step(devices):
+    """A traced sum of one tensor per device on every device; each device's sum is read
+    there (a scalar leaves it), so nothing is pruned and no sum is copied whole."""
+    import tensorflow as tf
+
+    from tfmulti.parallel.replicated import sum_on_every_device
+
+    @tf.function
+    def step(inputs):
+        partials = []
+        for index, device in enumerate(devices):
+            with tf.device(device):
+                partials.append(inputs * float(index + 1))
+        totals = []
+        for device, total in zip(devices, sum_on_every_device(partials, devices), strict=True):
+            with tf.device(device):
+                totals.append(tf.reduce_sum(total))
+        return tf.add_n(totals)
+
+    return step
+
+
+def tensor_reduce_records() -> list[dict]:
+    """Step time of split Transformer blocks and of one all-reduce, ring against collective."""
+    import numpy as np
+    import tensorflow as tf
+
+    from models.transformer import TransformerBlock
+    from tfmulti.parallel import TENSOR_REDUCTIONS, resolve_shard_devices, tensor_reduction_scope
+    from tfmulti.parallel.communication import received_bytes, step_graph
+    from tfmulti.parallel.shard_devices import device_key
+
+    records = []
+    for ways in (int(value) for value in FLAGS.reduce_ways):
+        devices = resolve_shard_devices(ways)
+        for text in FLAGS.reduce_shapes:
+            shape = tuple(int(part) for part in text.split("x"))
+            width = shape[-1]
+            blocks = [
+                TransformerBlock(width, 4, 4 * width, seed=index, tensor_parallel_devices=devices)
+                for index in range(FLAGS.reduce_blocks)
+            ]
+            for block in blocks:
+                block.build(shape)
+            with tf.device(devices[0]):
+                inputs = tf.constant(np.random.default_rng(0).normal(size=shape), tf.float32)
+            steps, graph_bytes = {}, {}
+            for reduction in TENSOR_REDUCTIONS:
+                with tensor_reduction_scope(reduction):
+                    steps[f"blocks_{reduction}"] = _training_step(_Stack(blocks), devices[0])
+                    steps[f"all_reduce_{reduction}"] = _all_reduce_step(devices)
+                    for kind in ("blocks", "all_reduce"):
+                        steps[f"{kind}_{reduction}"](inputs).numpy()  # trace and warm up
+                    graph = step_graph(blocks, tf.TensorSpec(shape), devices[0])
+                by_device = received_bytes(graph, devices[0])
+                graph_bytes[reduction] = [by_device.get(device_key(d), 0) for d in devices]
+            seconds = {name: [] for name in steps}
+            for _ in range(FLAGS.rounds):
+                for kind in ("blocks", "all_reduce"):
+                    for reduction in ("ring", "collective", "collective", "ring"):
+                        name = f"{kind}_{reduction}"
+                        seconds[name] += _step_seconds(steps[name], inputs)
+            step_ms = {name: 1000 * statistics.median(values) for name, values in seconds.items()}
+            records.append(
+                {
+                    "benchmark": "tensor_reduce",
+                    "tensor_parallel": ways,
+                    "shape": list(shape),
+                    "blocks": FLAGS.reduce_blocks,
+                    "step_ms": step_ms,
+                    "collective_over_ring": {
+                        kind: step_ms[f"{kind}_collective"] / step_ms[f"{kind}_ring"]
+                        for kind in ("blocks", "all_reduce")
+                    },
+                    "blocks_graph_received_bytes_per_device": graph_bytes,
+                    "timed_steps_each": FLAGS.rounds * 2 * FLAGS.steps,
+                }
+            )
+    return records
+
+
 def mesh3d_records() -> list[dict]:
     """Measured against predicted step time of the planner's best layout of each mesh."""
     import tempfile
@@ -446,8 +574,9 @@ def main(argv):
 
     llama_ways = [int(value) for value in FLAGS.llama_ways]
     mesh_devices = [MESH3D_DEVICES] if "mesh3d" in FLAGS.sections else []
+    reduce_ways = [int(v) for v in FLAGS.reduce_ways] if "tensor_reduce" in FLAGS.sections else []
     configure_logical_devices(
-        max([FLAGS.tensor_parallel, *llama_ways, *mesh_devices]), device_type="CPU"
+        max([FLAGS.tensor_parallel, *llama_ways, *mesh_devices, *reduce_ways]), device_type="CPU"
     )
     records = []
     if "mlp" in FLAGS.sections:
@@ -461,6 +590,10 @@ def main(argv):
             print(json.dumps(record), flush=True)
     if "mesh3d" in FLAGS.sections:
         for record in mesh3d_records():
+            records.append(record)
+            print(json.dumps(record), flush=True)
+    if "tensor_reduce" in FLAGS.sections:
+        for record in tensor_reduce_records():
             records.append(record)
             print(json.dumps(record), flush=True)
     print(json.dumps(records, indent=1))

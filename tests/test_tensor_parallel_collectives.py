@@ -297,15 +297,16 @@ def _loops_and_collectives(hybrid, x, y) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize(
-    "mesh_text, schedule",
+    "mesh_text, schedule, remat",
     [
-        ("data=1,pipe=2,tensor=2", "1f1b"),
-        ("data=1,pipe=2,tensor=2", "zb_h1"),
-        ("data=2,pipe=2,tensor=2", "1f1b"),
+        ("data=1,pipe=2,tensor=2", "1f1b", False),
+        ("data=1,pipe=2,tensor=2", "zb_h1", False),
+        ("data=1,pipe=2,tensor=2", "1f1b", True),
+        ("data=2,pipe=2,tensor=2", "1f1b", False),
     ],
 )
 def test_pipelined_tensor_groups_with_collectives_in_rolled_loops_train_like_one_device(
-    mesh_text, schedule
+    mesh_text, schedule, remat
 ):
     vocabulary, length, batch, steps = 16, 8, 16, 3
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -321,6 +322,7 @@ def test_pipelined_tensor_groups_with_collectives_in_rolled_loops_train_like_one
             mesh_text,
             num_microbatches=8,
             schedule=schedule,
+            remat=remat,
             devices=logical_device_names("CPU")[: parse_mesh(mesh_text).num_devices],
             make_split_blocks=_pipeline_blocks,
         )
@@ -375,13 +377,17 @@ def test_train_script_with_collective_tensor_reduce_trains_like_the_ring(tmp_pat
     assert_same_training(records["collective"], records["ring"])
 
 
-def test_a_bad_tensor_reduce_value_is_one_line(tmp_path):
-    result = run_script(
-        "train.py", *TRANSFORMER_RUN, "--tensor_reduce=nccl", f"--model_dir={tmp_path}"
-    )
-    assert result.returncode != 0
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (("--tensor_reduce=nccl",), "tensor_reduce"),
+        (("--strategy=one_device", "--tensor_reduce=collective", "--jit_compile"), "jit_compile"),
+    ],
+)
+def test_a_bad_tensor_reduce_value_or_combination_is_one_line(tmp_path, flags, named):
+    result = run_script("train.py", *TRANSFORMER_RUN[:-2], *flags, f"--model_dir={tmp_path}")
+    assert result.returncode == 2
     assert "Traceback" not in result.stderr
-    assert "--tensor_reduce" in last_line(result.stderr) or "tensor_reduce" in last_line(
-        result.stderr
-    )
-    assert "ring" in last_line(result.stderr) and "collective" in last_line(result.stderr)
+    line = last_line(result.stderr)
+    assert "--tensor_reduce" in line and named in line
+    assert "ring" in line

@@ -361,6 +361,12 @@ def define_train_flags() -> None:
         message="--tensor_parallel > 1 goes with --strategy=model_parallel --model=transformer "
         "and without --jit_compile",
     )
+    flags.register_multi_flags_validator(
+        ["tensor_reduce", "jit_compile"],
+        lambda values: values["tensor_reduce"] == "ring" or not values["jit_compile"],
+        message="--tensor_reduce=collective does not go with --jit_compile (XLA compiles a "
+        "stage for one device); use --tensor_reduce=ring",
+    )
 
 
 def config_from_flags() -> TrainConfig:
