@@ -1,15 +1,21 @@
 """Promises of tensor-parallel reductions with TensorFlow's collective ops
 (`tensor_reduction` "collective"): they sum like the ring and numpy, forward and backward;
 split blocks, the reference Transformer and pipelines of tensor groups (rolled loops
-included) train like one device with them; the traced step holds one CollectiveReduceV2
-per device per reduction and no ring transfers; `scripts/train.py --tensor_reduce` runs
-end to end, and a bad value is one line."""
+included, and across two workers) train like one device with them; the traced step holds
+one CollectiveReduceV2 per device per reduction and no ring transfers;
+`scripts/train.py --tensor_reduce` runs end to end, and a bad value is one line."""
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from script_runner import assert_same_training, last_line, read_metrics, run_script
+from script_runner import (
+    assert_same_training,
+    last_line,
+    launch_training,
+    read_metrics,
+    run_script,
+)
 
 from models import build_model, registry
 from models.transformer import TransformerBlock
@@ -375,6 +381,44 @@ def test_train_script_with_collective_tensor_reduce_trains_like_the_ring(tmp_pat
         assert result.returncode == 0, result.stderr[-3000:]
         records[reduction] = read_metrics(model_dir)
     assert_same_training(records["collective"], records["ring"])
+
+
+def test_data_pipe_tensor_mesh_across_two_workers_with_collectives_trains_like_one_device(
+    tmp_path,
+):
+    # Each worker's tensor groups have keys of their own, under the runtime that also
+    # resolves the cross-worker gradient sums.
+    transformer = (
+        "--model=transformer",
+        "--dataset=tokens",
+        "--model_option=num_layers=2",
+        "--model_option=num_heads=2",
+        "--model_option=d_model=16",
+        "--batch_size=16",
+        "--epochs=2",
+        "--steps_per_epoch=3",
+        "--validation_steps=1",
+        "--optimizer=adam",
+        "--learning_rate=0.01",
+        "--log_steps=0",
+    )
+    reference_dir, model_dir = str(tmp_path / "one"), str(tmp_path / "mesh")
+    reference = run_script(
+        "train.py", *transformer, "--strategy=one_device", f"--model_dir={reference_dir}"
+    )
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    returncode, output = launch_training(
+        *transformer,
+        "--strategy=hybrid",
+        "--mesh=data=2,pipe=2,tensor=2",
+        "--microbatches=2",
+        "--collective_timeout=120",
+        "--tensor_reduce=collective",
+        f"--model_dir={model_dir}",
+        devices_per_worker=4,
+    )
+    assert returncode == 0, output[-3000:]
+    assert_same_training(read_metrics(model_dir), read_metrics(reference_dir))
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 `collective_ops.all_reduce_v2` runs one op per device of the group; the runtime moves the
 data itself (a ring on CPUs, NCCL on GPUs), so the graph holds no Send/Recv pairs for it.
-Three things make it safe to call from anywhere a tensor-parallel layer is traced:
+Four things make it safe to call from anywhere a tensor-parallel layer is traced:
 
 - Group keys: one per set of devices, and instance keys: one per call, both from a range
   far above the keys `tf.distribute`'s `CollectiveKeys` (from 1) and
@@ -15,6 +15,9 @@ Three things make it safe to call from anywhere a tensor-parallel layer is trace
 - A repeated execution of a traced collective (a function called per micro-batch, a loop
   body per round) is told apart by TensorFlow itself: the runtime keys each execution by
   the step, and by the loop frame and iteration it runs in.
+- Tied outputs: each device's sum reads an empty slice of every other's (`_tied`), so
+  nothing that cuts or prunes the graph by its data edges can keep some of a group's
+  collectives without the others, which would wait for their peers forever.
 """
 
 from __future__ import annotations
