@@ -9,16 +9,8 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from script_runner import (
-    assert_same_training,
-    last_line,
-    launch_training,
-    read_metrics,
-    run_script,
-)
 
 from models import build_model, registry
-from models.transformer import TransformerBlock
 from tfmulti.devices import logical_device_names
 from tfmulti.hybrid import build_hybrid_model
 from tfmulti.mesh import parse_mesh
@@ -32,12 +24,9 @@ from tfmulti.parallel import (
     tensor_reduction_scope,
     unsplit_weights,
 )
-from tfmulti.parallel.communication import received_bytes, sent_bytes, step_graph, tensor_bytes
 from tfmulti.parallel.shard_devices import device_key
 from tfmulti.pipeline.runtime.optimizer_placement import place_optimizer_on_variable_devices
 
-SHAPE = (4, 8, 64)
-WIDTH, HEADS, MLP_WIDTH = 64, 4, 256
 _COLLECTIVE = "CollectiveReduceV2"
 
 
@@ -53,16 +42,6 @@ def _collective_ops(graph_def) -> int:
     for function in graph_def.library.function:
         nodes.extend(function.node_def)
     return sum(node.op == _COLLECTIVE for node in nodes)
-
-
-def _blocks(num_blocks, devices):
-    blocks = [
-        TransformerBlock(WIDTH, HEADS, MLP_WIDTH, seed=index, tensor_parallel_devices=devices)
-        for index in range(num_blocks)
-    ]
-    for block in blocks:
-        block.build(SHAPE)
-    return blocks
 
 
 def test_the_reduction_names_are_those_the_command_line_offers():
@@ -164,77 +143,6 @@ def test_megatron_operators_give_the_same_values_and_gradients_with_either_reduc
         np.testing.assert_allclose(
             gradient, 2 * expected * np.cos(values[0]) * weights[0], rtol=1e-5, atol=1e-6
         )
-
-
-def test_split_blocks_with_collective_reductions_step_like_one_device():
-    devices = resolve_shard_devices(4)
-    split = _blocks(2, devices)
-    unsplit = [TransformerBlock(WIDTH, HEADS, MLP_WIDTH, seed=index) for index in range(2)]
-    for plain, parallel in zip(unsplit, split, strict=True):
-        plain.build(SHAPE)
-        plain.set_weights(unsplit_weights(parallel))
-    inputs = tf.constant(np.random.default_rng(0).normal(size=SHAPE).astype("float32"))
-
-    def gradients_of(blocks):
-        @tf.function
-        def step():
-            with tf.GradientTape() as tape:
-                tape.watch(inputs)
-                outputs = inputs
-                for block in blocks:
-                    outputs = block(outputs)
-                loss = tf.reduce_sum(tf.sin(outputs))
-            variables = [v for block in blocks for v in block.trainable_variables]
-            return outputs, tape.gradient(loss, [inputs, *variables])
-
-        return step()
-
-    with tensor_reduction_scope("collective"):
-        outputs, gradients = gradients_of(split)
-    expected_outputs, expected_gradients = gradients_of(unsplit)
-    np.testing.assert_allclose(outputs.numpy(), expected_outputs.numpy(), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(gradients[0].numpy(), expected_gradients[0].numpy(), atol=1e-5)
-    for blocks, weight_gradients in ((split, gradients[1:]), (unsplit, expected_gradients[1:])):
-        variables = [v for block in blocks for v in block.trainable_variables]
-        for variable, gradient in zip(variables, weight_gradients, strict=True):
-            variable.assign(variable - 0.1 * gradient)
-    for plain, parallel in zip(unsplit, split, strict=True):
-        for expected, actual in zip(plain.get_weights(), unsplit_weights(parallel), strict=True):
-            np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("num_blocks", [1, 2])
-def test_traced_step_runs_one_collective_per_device_per_reduction_and_no_ring_transfers(
-    num_blocks,
-):
-    num_devices = 4
-    devices = resolve_shard_devices(num_devices)
-    blocks = _blocks(num_blocks, devices)
-    with tensor_reduction_scope("collective"):
-        graph = step_graph(blocks, tf.TensorSpec(SHAPE), devices[0])
-    # Two reductions forward (after attention, after the MLP) and two backward per block.
-    assert _collective_ops(graph.as_graph_def()) == 4 * num_blocks * num_devices
-    collective_devices = [
-        device_key(op.device) for op in graph.get_operations() if op.type == _COLLECTIVE
-    ]
-    assert sorted(collective_devices) == sorted([device_key(d) for d in devices] * 4 * num_blocks)
-
-    keys = [device_key(device) for device in devices]
-    received, sent = received_bytes(graph, devices[0]), sent_bytes(graph, devices[0])
-    received = [received.get(key, 0) for key in keys]
-    sent = [sent.get(key, 0) for key in keys]
-    activations = tensor_bytes(SHAPE, "float32")
-    weights = num_blocks * blocks[0].replicated_weight_bytes()
-    # Left in the graph: the stack's input along the chain 0 -> 1 -> 2 -> 3 forward and
-    # its output gradient backward, and the norms' and biases' values from device 0; the
-    # ring's 4 * num_blocks reductions of 2(K-1)/K activations each are gone, and no
-    # device sends a reduction's partial sums to another.
-    assert received == [0] + [2 * activations + weights] * 3
-    assert sent == [2 * activations + 3 * weights, 2 * activations, 2 * activations, 0]
-    with tensor_reduction_scope("ring"):
-        ring_graph = step_graph(blocks, tf.TensorSpec(SHAPE), devices[0])
-    assert _collective_ops(ring_graph.as_graph_def()) == 0
-    assert sum(received_bytes(ring_graph, devices[0]).values()) > sum(received)
 
 
 def _collectives_in_a_step(model, x) -> int:
@@ -352,86 +260,3 @@ def test_pipelined_tensor_groups_with_collectives_in_rolled_loops_train_like_one
     np.testing.assert_allclose(
         hybrid.predict(probe, verbose=0), reference.predict(probe, verbose=0), atol=1e-5
     )
-
-
-TRANSFORMER_RUN = (
-    "--strategy=model_parallel",
-    "--model=transformer",
-    "--dataset=tokens",
-    "--model_option=num_layers=1",
-    "--batch_size=16",
-    "--epochs=1",
-    "--steps_per_epoch=3",
-    "--validation_steps=2",
-    "--optimizer=sgd",
-    "--learning_rate=0.1",
-    "--num_stages=1",
-    "--virtual_devices=2",
-    "--tensor_parallel=2",
-)
-
-
-def test_train_script_with_collective_tensor_reduce_trains_like_the_ring(tmp_path):
-    records = {}
-    for reduction in ("ring", "collective"):
-        model_dir = str(tmp_path / reduction)
-        result = run_script(
-            "train.py", *TRANSFORMER_RUN, f"--tensor_reduce={reduction}", f"--model_dir={model_dir}"
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        records[reduction] = read_metrics(model_dir)
-    assert_same_training(records["collective"], records["ring"])
-
-
-def test_data_pipe_tensor_mesh_across_two_workers_with_collectives_trains_like_one_device(
-    tmp_path,
-):
-    # Each worker's tensor groups have keys of their own, under the runtime that also
-    # resolves the cross-worker gradient sums.
-    transformer = (
-        "--model=transformer",
-        "--dataset=tokens",
-        "--model_option=num_layers=2",
-        "--model_option=num_heads=2",
-        "--model_option=d_model=16",
-        "--batch_size=16",
-        "--epochs=2",
-        "--steps_per_epoch=3",
-        "--validation_steps=1",
-        "--optimizer=adam",
-        "--learning_rate=0.01",
-        "--log_steps=0",
-    )
-    reference_dir, model_dir = str(tmp_path / "one"), str(tmp_path / "mesh")
-    reference = run_script(
-        "train.py", *transformer, "--strategy=one_device", f"--model_dir={reference_dir}"
-    )
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    returncode, output = launch_training(
-        *transformer,
-        "--strategy=hybrid",
-        "--mesh=data=2,pipe=2,tensor=2",
-        "--microbatches=2",
-        "--collective_timeout=120",
-        "--tensor_reduce=collective",
-        f"--model_dir={model_dir}",
-        devices_per_worker=4,
-    )
-    assert returncode == 0, output[-3000:]
-    assert_same_training(read_metrics(model_dir), read_metrics(reference_dir))
-
-
-@pytest.mark.parametrize(
-    "flags, named",
-    [
-        (("--tensor_reduce=nccl",), "tensor_reduce"),
-        (("--strategy=one_device", "--tensor_reduce=collective", "--jit_compile"), "jit_compile"),
-    ],
-)
-def test_a_bad_tensor_reduce_value_or_combination_is_one_line(tmp_path, flags, named):
-    result = run_script("train.py", *TRANSFORMER_RUN[:-2], *flags, f"--model_dir={tmp_path}")
-    assert result.returncode == 2
-    assert "Traceback" not in result.stderr
-    line = last_line(result.stderr)
-    assert "--tensor_reduce" in line and named in line
-    assert "ring" in line

@@ -11,7 +11,7 @@ from models import registry
 from models.transformer import TransformerBlock
 from tfmulti.data import load_source
 from tfmulti.mesh import DeviceMesh
-from tfmulti.parallel import resolve_shard_devices, unsplit_weights
+from tfmulti.parallel import resolve_shard_devices, tensor_reduction_scope, unsplit_weights
 from tfmulti.parallel.communication import received_bytes, sent_bytes, step_graph, tensor_bytes
 from tfmulti.parallel.replica_handoff import replicas_of
 from tfmulti.parallel.shard_devices import device_key
@@ -75,7 +75,34 @@ def test_no_device_sends_or_receives_more_than_its_all_reduce_share_plus_one_cop
     assert sum(received) == sum(each.forward + each.backward for each in analytic)
 
 
-def test_every_device_ends_each_reduction_with_the_whole_sum_and_step_equals_one_device():
+@pytest.mark.parametrize("num_blocks", [1, 2])
+def test_collective_reductions_are_one_op_per_device_and_leave_no_partial_sums_in_the_graph(
+    num_blocks,
+):
+    devices = resolve_shard_devices(4)
+    blocks = _blocks(num_blocks, devices)
+    with tensor_reduction_scope("collective"):
+        graph = step_graph(blocks, tf.TensorSpec(SHAPE), devices[0])
+    # Two reductions forward (after attention, after the MLP) and two backward per block,
+    # each one CollectiveReduceV2 on every device of the group.
+    collective_devices = [
+        device_key(op.device) for op in graph.get_operations() if op.type == "CollectiveReduceV2"
+    ]
+    assert sorted(collective_devices) == sorted([device_key(d) for d in devices] * 4 * num_blocks)
+    received, sent = _per_device(graph, devices)
+    activations = tensor_bytes(SHAPE, "float32")
+    weights = num_blocks * blocks[0].replicated_weight_bytes()
+    # Left in the graph: the stack's input along the chain 0 -> 1 -> 2 -> 3 forward and its
+    # output gradient backward, and the norms' and biases' values from device 0; no device
+    # sends a reduction's partial sums to another (the runtime moves them).
+    assert received == [0] + [2 * activations + weights] * 3
+    assert sent == [2 * activations + 3 * weights, 2 * activations, 2 * activations, 0]
+
+
+@pytest.mark.parametrize("reduction", ["ring", "collective"])
+def test_every_device_ends_each_reduction_with_the_whole_sum_and_step_equals_one_device(
+    reduction,
+):
     devices = resolve_shard_devices(4)
     split = _blocks(2, devices)
     unsplit = [TransformerBlock(WIDTH, HEADS, MLP_WIDTH, seed=index) for index in range(2)]
@@ -95,7 +122,8 @@ def test_every_device_ends_each_reduction_with_the_whole_sum_and_step_equals_one
         variables = [v for block in blocks for v in block.trainable_variables]
         return outputs, tape.gradient(loss, [inputs, *variables])
 
-    outputs, gradients = step(split)
+    with tensor_reduction_scope(reduction):
+        outputs, gradients = step(split)
     expected_outputs, expected_gradients = step(unsplit)
     np.testing.assert_allclose(outputs.numpy(), expected_outputs.numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(gradients[0].numpy(), expected_gradients[0].numpy(), atol=1e-5)

@@ -3,6 +3,7 @@ and across two local workers launched by `scripts/launch.py`."""
 
 import os
 
+import pytest
 from script_runner import (
     TWO_EPOCHS,
     assert_same_training,
@@ -88,8 +89,11 @@ TRANSFORMER = (
 )
 
 
-def test_data_pipe_tensor_mesh_across_two_workers_trains_like_one_device(tmp_path):
-    # 2 workers x 4 devices: a data replica per worker, 2 stages, each split over 2 devices.
+@pytest.mark.parametrize("reduction", ["ring", "collective"])
+def test_data_pipe_tensor_mesh_across_two_workers_trains_like_one_device(tmp_path, reduction):
+    # 2 workers x 4 devices: a data replica per worker, 2 stages, each split over 2 devices;
+    # with collectives, each worker's tensor groups have keys of their own under the
+    # runtime that also runs the cross-worker gradient all-reduce.
     reference_dir, model_dir = str(tmp_path / "one"), str(tmp_path / "mesh")
     reference = run_script(
         "train.py", *TRANSFORMER, "--strategy=one_device", f"--model_dir={reference_dir}"
@@ -101,6 +105,7 @@ def test_data_pipe_tensor_mesh_across_two_workers_trains_like_one_device(tmp_pat
         "--mesh=data=2,pipe=2,tensor=2",
         "--microbatches=2",
         "--collective_timeout=120",
+        f"--tensor_reduce={reduction}",
         f"--model_dir={model_dir}",
         devices_per_worker=4,
     )

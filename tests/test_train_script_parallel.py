@@ -20,6 +20,7 @@ from script_runner import (
     TWO_EPOCHS,
     assert_same_training,
     assert_split_recorded,
+    last_line,
     launch,
     launch_training,
     read_metrics,
@@ -93,33 +94,52 @@ def test_placed_model_parallel_script_trains_like_one_device(
     assert_same_training(read_metrics(model_dir), one_device_metrics)
 
 
+TENSOR_PARALLEL_RUN = (
+    "--strategy=model_parallel",
+    "--model=transformer",
+    "--dataset=tokens",
+    "--model_option=num_layers=1",
+    "--batch_size=16",
+    "--epochs=1",
+    "--steps_per_epoch=3",
+    "--validation_steps=2",
+    "--optimizer=sgd",
+    "--learning_rate=0.1",
+    "--num_stages=1",
+    "--virtual_devices=2",
+)
+
+
 def test_tensor_parallel_transformer_script_trains_like_unsplit(tmp_path):
-    common = (
-        "--strategy=model_parallel",
-        "--model=transformer",
-        "--dataset=tokens",
-        "--model_option=num_layers=1",
-        "--batch_size=16",
-        "--epochs=1",
-        "--steps_per_epoch=3",
-        "--validation_steps=2",
-        "--optimizer=sgd",
-        "--learning_rate=0.1",
-        "--num_stages=1",
-    )
+    # Split over 2 devices, summing with the ring of placed ops and with TensorFlow's
+    # collective all-reduce, against the unsplit model.
     records = {}
-    for tensor_parallel in (1, 2):
-        model_dir = str(tmp_path / f"tp{tensor_parallel}")
-        result = run_script(
-            "train.py",
-            *common,
-            "--virtual_devices=2",
-            f"--tensor_parallel={tensor_parallel}",
-            f"--model_dir={model_dir}",
-        )
+    runs = {"unsplit": ("--tensor_parallel=1",)}
+    for reduction in ("ring", "collective"):
+        runs[reduction] = ("--tensor_parallel=2", f"--tensor_reduce={reduction}")
+    for name, flags in runs.items():
+        model_dir = str(tmp_path / name)
+        result = run_script("train.py", *TENSOR_PARALLEL_RUN, *flags, f"--model_dir={model_dir}")
         assert result.returncode == 0, result.stderr[-3000:]
-        records[tensor_parallel] = read_metrics(model_dir)
-    assert_same_training(records[2], records[1])
+        records[name] = read_metrics(model_dir)
+    assert_same_training(records["ring"], records["unsplit"])
+    assert_same_training(records["collective"], records["unsplit"])
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (("--tensor_reduce=nccl",), "tensor_reduce"),
+        (("--strategy=one_device", "--tensor_reduce=collective", "--jit_compile"), "jit_compile"),
+    ],
+)
+def test_a_bad_tensor_reduce_value_or_combination_is_one_line(tmp_path, flags, named):
+    result = run_script("train.py", *TENSOR_PARALLEL_RUN, *flags, f"--model_dir={tmp_path}")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    line = last_line(result.stderr)
+    assert "--tensor_reduce" in line and named in line
+    assert "ring" in line
 
 
 @pytest.mark.parametrize("dtype", ["mixed_float16", "mixed_bfloat16"])

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops, gen_resource_variable_ops
 
-from tfmulti.parallel.multi_device_op import multi_device_op
+from tfmulti.parallel.multi_device_op import multi_device_op, zeros_where_missing
 
 # Far above tf.distribute's keys (from 1) and tfmulti's cross-worker groups (from 2**20).
 _KEY_BASE = 1 << 24
@@ -158,16 +158,6 @@ def _tied(collectives: list[tf.Tensor], devices: Sequence[str]) -> list[tf.Tenso
     return tied
 
 
-def _zeros_where_missing(gradients, like, devices) -> list[tf.Tensor]:
-    filled = []
-    for device, gradient, tensor in zip(devices, gradients, like, strict=True):
-        if gradient is None:
-            with tf.device(device):
-                gradient = tf.zeros_like(tensor)
-        filled.append(gradient)
-    return filled
-
-
 def all_reduce(tensors: Sequence[tf.Tensor], devices: Sequence[str]) -> list[tf.Tensor]:
     """The sum of the K tensors on every device, differentiable.
 
@@ -182,7 +172,7 @@ def all_reduce(tensors: Sequence[tf.Tensor], devices: Sequence[str]) -> list[tf.
         "collective_all_reduce",
         lambda values: sum_on_every_device(values, devices),
         lambda gradients: sum_on_every_device(
-            _zeros_where_missing(gradients, tensors, devices), devices
+            zeros_where_missing(gradients, tensors, devices), devices
         ),
         tensors,
     )
@@ -208,6 +198,6 @@ def reduce_to_first(partials: Sequence[tf.Tensor], devices: Sequence[str]) -> tf
         if gradients[0] is None:
             return [None] * len(devices)
         missing = [gradients[0]] + [None] * (len(devices) - 1)
-        return sum_on_every_device(_zeros_where_missing(missing, partials, devices), devices)
+        return sum_on_every_device(zeros_where_missing(missing, partials, devices), devices)
 
     return multi_device_op("collective_reduce_to_first", forward, backward, partials)[0]

@@ -51,3 +51,17 @@ def multi_device_op(
 
     record.record_operation(name, outputs, differentiable, recorded_backward)
     return outputs
+
+
+def zeros_where_missing(
+    gradients: Sequence[tf.Tensor | None], like: Sequence[tf.Tensor], devices: Sequence[str]
+) -> list[tf.Tensor]:
+    """`gradients` with each None (no gradient reached that output) replaced by zeros shaped
+    like the matching tensor of `like`, made on its device."""
+    filled = []
+    for device, gradient, tensor in zip(devices, gradients, like, strict=True):
+        if gradient is None:
+            with tf.device(device):
+                gradient = tf.zeros_like(tensor)
+        filled.append(gradient)
+    return filled

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tfmulti.parallel import collective_all_reduce, ring
-from tfmulti.parallel.multi_device_op import multi_device_op
+from tfmulti.parallel.multi_device_op import multi_device_op, zeros_where_missing
 from tfmulti.parallel.tensor_reduction import tensor_reduction
 
 
@@ -68,16 +68,6 @@ def _chain(tensor: tf.Tensor, devices: Sequence[str]) -> list[tf.Tensor]:
     return copies
 
 
-def _zeros_where_missing(gradients, like: Sequence[tf.Tensor], devices: Sequence[str]) -> list:
-    filled = []
-    for device, gradient, tensor in zip(devices, gradients, like, strict=True):
-        if gradient is None:
-            with tf.device(device):
-                gradient = tf.zeros_like(tensor)
-        filled.append(gradient)
-    return filled
-
-
 def all_reduce(partials: Sequence[tf.Tensor], devices: Sequence[str]) -> list[tf.Tensor]:
     """Megatron's g: the sum of the K partials on every device; backward, each replica's
     gradient is its partial's.
@@ -103,7 +93,7 @@ def reduce_gradients(replicas: Sequence[tf.Tensor], devices: Sequence[str]) -> l
         "reduce_gradients",
         lambda values: _identities(values, devices),
         lambda gradients: sum_on_every_device(
-            _zeros_where_missing(gradients, replicas, devices), devices
+            zeros_where_missing(gradients, replicas, devices), devices
         ),
         replicas,
     )
