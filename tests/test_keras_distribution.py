@@ -232,17 +232,6 @@ def test_data_parallel_replicates_and_trains_to_one_device_weights(how):
     assert_same_weights(reference, model, 1e-5)
 
 
-def test_a_data_by_model_mesh_is_refused_in_one_line_naming_it():
-    devices = keras.distribution.list_devices("cpu")[:4]
-    mesh = keras.distribution.DeviceMesh((2, 2), ("batch", "model"), devices)
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map["dense/kernel"] = (None, "model")
-    with keras.distribution.ModelParallel(layout_map=layout_map).scope():
-        with pytest.raises(ValueError, match=r"Received: mesh shape=\(2, 2\)") as error:
-            dense_then_conv()
-    assert "\n" not in str(error.value)
-
-
 def test_model_built_under_model_parallel_loads_unsharded_weights(tmp_path):
     trained = llama(seed=5)
     compile_and_fit(trained, "sgd")

@@ -15,6 +15,7 @@ versions checked by tests/test_compat_keras_distribution.py.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 
@@ -22,9 +23,11 @@ import keras
 import keras.distribution as public_distribution
 import tensorflow as tf
 from keras.src.backend.common import variables as common_variables
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.tensorflow import distribution_lib as tensorflow_distribution_lib
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.distribution import distribution_lib
 from keras.src.layers.layer import Layer
 
@@ -105,6 +108,76 @@ def _keep_tensor_layout(tensor, layout):
     return tensor
 
 
+_SPLIT_BY_ROWS = "_tfmulti_split_by_mesh_rows"
+
+
+def _join_rows(outputs: list):
+    """The rows' outputs joined along the batch, with their Keras masks joined too."""
+
+    def join(*parts):
+        joined = tf.concat(parts, 0)
+        masks = [get_keras_mask(part) for part in parts]
+        if all(mask is not None for mask in masks):
+            set_keras_mask(joined, tf.concat(masks, 0))
+        return joined
+
+    return tf.nest.map_structure(join, *outputs)
+
+
+@contextlib.contextmanager
+def _calls_split_by_rows(model: keras.layers.Layer, rows):
+    """While open, calling `model` splits the batch over the mesh's rows."""
+    from tfmulti.parallel.mesh_rows import call_by_rows
+
+    own_call = model.__dict__.get("call")
+    call = model.call
+
+    def call_split_by_rows(*args, **kwargs):
+        return call_by_rows(call, rows, args, kwargs, _join_rows)
+
+    object.__setattr__(model, "call", call_split_by_rows)
+    try:
+        yield
+    finally:
+        if own_call is None:
+            del model.__dict__["call"]
+        else:
+            object.__setattr__(model, "call", own_call)
+
+
+def _steps_split_by_mesh_rows(attribute: str) -> Callable:
+    """Makes the step function Keras makes (`attribute`) split each batch over mesh rows.
+
+    Only for a model whose layers were built (or `shard`ed) for a mesh whose batch axis
+    has several rows; any other model gets Keras' function unchanged.
+    """
+
+    def patch(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def make_function(self, force=False):
+            returned = original(self, force)
+            function = getattr(self, attribute)
+            if function is None or getattr(function, _SPLIT_BY_ROWS, False):
+                return returned
+            from tfmulti.parallel.mesh_rows import mesh_rows_of
+
+            rows = mesh_rows_of(layers_within(self))
+            if rows is None:
+                return function
+
+            def step_split_by_rows(*args, **kwargs):
+                with _calls_split_by_rows(self, rows):
+                    return function(*args, **kwargs)
+
+            setattr(step_split_by_rows, _SPLIT_BY_ROWS, True)
+            setattr(self, attribute, step_split_by_rows)
+            return step_split_by_rows
+
+        return make_function
+
+    return patch
+
+
 def _checked_patch(name: str, owner, attribute: str, make_replacement: Callable) -> Fix:
     return Fix(name, owner, attribute, make_replacement, FIRST_CHECKED_KERAS, FIRST_UNCHECKED_KERAS)
 
@@ -137,6 +210,16 @@ PATCHES = (
         TFOptimizer,
         "add_variable_from_reference",
         _slots_on_variable_device,
+    ),
+    # fit, evaluate and predict of a model sharded over a mesh with a batch axis > 1.
+    *(
+        _checked_patch(
+            f"{kind}_step_split_by_mesh_rows",
+            TensorFlowTrainer,
+            f"make_{kind}_function",
+            _steps_split_by_mesh_rows(f"{kind}_function"),
+        )
+        for kind in ("train", "test", "predict")
     ),
 )
 

@@ -21,7 +21,8 @@ import tensorflow as tf
 
 from tfmulti.compat import keras_distribution_tf
 from tfmulti.parallel.layer_sharding import shard_layer
-from tfmulti.parallel.mesh_layout import check_single_model_axis, mesh_device_names
+from tfmulti.parallel.mesh_layout import check_model_axes, mesh_device_names
+from tfmulti.parallel.mesh_rows import MeshRows, mark_mesh_rows
 from tfmulti.strategy import cross_device_ops
 
 _STRATEGIES: dict[int, tuple] = {}
@@ -54,9 +55,10 @@ def shard_deferred_layers() -> None:
 
 
 def _shard_with(layer: keras.layers.Layer, distribution) -> bool:
-    device_mesh = distribution.device_mesh
-    check_single_model_axis(device_mesh, distribution.batch_dim_name)
-    return shard_layer(layer, distribution.get_variable_layout, device_mesh)
+    device_mesh, batch_dim_name = distribution.device_mesh, distribution.batch_dim_name
+    check_model_axes(device_mesh, batch_dim_name)
+    mark_mesh_rows(layer, MeshRows.of_device_mesh(device_mesh, batch_dim_name))
+    return shard_layer(layer, distribution.get_variable_layout, device_mesh, batch_dim_name)
 
 
 def shard(
@@ -72,7 +74,8 @@ def shard(
     Args:
         model: a built Keras model.
         layout_map: a `keras.distribution.LayoutMap` (its `device_mesh` names the devices).
-        batch_dim_name: the mesh axis of the batch; it must have size 1.
+        batch_dim_name: the mesh axis of the batch; with size > 1, `fit`, `evaluate` and
+            `predict` split each batch over its rows (`mesh_rows`).
 
     Returns:
         `model`, sharded in place.
@@ -93,15 +96,16 @@ def shard(
             "holds state for the whole weights. Shard first, then compile and fit."
         )
     device_mesh = layout_map.device_mesh
-    check_single_model_axis(device_mesh, batch_dim_name)
+    check_model_axes(device_mesh, batch_dim_name)
+    mark_mesh_rows(model, MeshRows.of_device_mesh(device_mesh, batch_dim_name))
 
     def layout_of(variable):
         return layout_map[variable.path]
 
     sharded = False
     for layer in keras_distribution_tf.layers_within(model):
-        sharded = shard_layer(layer, layout_of, device_mesh) or sharded
-    if sharded:
+        sharded = shard_layer(layer, layout_of, device_mesh, batch_dim_name) or sharded
+    if sharded or MeshRows.of_device_mesh(device_mesh, batch_dim_name).num_rows > 1:
         # Traced steps read the whole weights; retrace, and without XLA (one device only).
         model.train_function = model.test_function = model.predict_function = None
         if model.compiled:

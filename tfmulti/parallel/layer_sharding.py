@@ -33,6 +33,8 @@ from tfmulti.parallel.mesh_layout import (
     UnsupportedLayout,
     plan_for_layout,
 )
+from tfmulti.parallel.mesh_rows import row_devices
+from tfmulti.parallel.row_split_shard import shard_value
 from tfmulti.parallel.sharded_einsum import CONTRACTED, analyse_split, einsum, split_einsum
 from tfmulti.parallel.sharded_variable import ShardedVariable, split_variable
 from tfmulti.parallel.vocab_embedding import lookup_in_row_shard
@@ -113,7 +115,7 @@ def _shard_dense(layer, plans: dict) -> bool:
 
     def shard_finish(index, outputs):
         if bias_plan is not None:
-            outputs = outputs + layer.bias.shards[index]
+            outputs = outputs + shard_value(layer.bias.shards[index])
         return _activate(layer.activation, outputs) if activate_per_shard else outputs
 
     def finish(outputs):
@@ -129,7 +131,7 @@ def _shard_dense(layer, plans: dict) -> bool:
             equation,
             inputs,
             kernel_view.shards,
-            kernel_plan.devices,
+            row_devices(kernel_plan.devices),
             split,
             shard_finish=shard_finish,
             finish=finish if needs_finish else None,
@@ -143,16 +145,17 @@ def _lookup(layer, table, plan: ShardPlan | None, ids):
     """The embedding rows of `ids`, from a whole table or its shards."""
     if plan is None:
         return ops.cast(ops.take(table, ids, axis=0), layer.compute_dtype)
-    devices = plan.devices
+    devices = row_devices(plan.devices)
     rows_per_shard = table.shape[0] // plan.num_shards
 
     def lookup(index, shard_ids):
         if plan.axis == 0:
             first_row = index * rows_per_shard
             return lookup_in_row_shard(
-                table.shards[index], shard_ids, first_row, layer.compute_dtype
+                shard_value(table.shards[index]), shard_ids, first_row, layer.compute_dtype
             )
-        return ops.cast(ops.take(table.shards[index], shard_ids, axis=0), layer.compute_dtype)
+        shard = shard_value(table.shards[index])
+        return ops.cast(ops.take(shard, shard_ids, axis=0), layer.compute_dtype)
 
     pieces = [
         run_on_device(device, functools.partial(lookup, index), handle)
@@ -168,7 +171,7 @@ def _project(weight, plan: ShardPlan | None, equation: str, inputs):
     if plan is None:
         return einsum(equation, inputs, weight)
     split = analyse_split(equation, plan.axis)
-    return split_einsum(equation, inputs, weight.shards, plan.devices, split)
+    return split_einsum(equation, inputs, weight.shards, row_devices(plan.devices), split)
 
 
 def _shard_embedding(layer, plans: dict) -> bool:
@@ -229,7 +232,12 @@ def _sharder_for(layer) -> Callable | None:
     return None
 
 
-def shard_layer(layer: keras.layers.Layer, layout_of: Callable, device_mesh) -> bool:
+def shard_layer(
+    layer: keras.layers.Layer,
+    layout_of: Callable,
+    device_mesh,
+    batch_dim_name: str | None = None,
+) -> bool:
     """Splits `layer`'s own weights as `layout_of(variable)` says; returns whether any was split.
 
     Args:
@@ -237,6 +245,7 @@ def shard_layer(layer: keras.layers.Layer, layout_of: Callable, device_mesh) -> 
         layout_of: returns a variable's `keras.distribution.TensorLayout` (or axis tuple,
             or None for whole).
         device_mesh: the `keras.distribution.DeviceMesh` the layouts name axes of.
+        batch_dim_name: its batch axis, along which no weight is split.
 
     Weights of other layer kinds, or with a layout that cannot be followed, stay whole;
     each gets one `LayoutNotHonouredWarning` naming it.
@@ -246,7 +255,7 @@ def shard_layer(layer: keras.layers.Layer, layout_of: Callable, device_mesh) -> 
     plans, variables = {}, {}
     for variable in own_variables(layer):
         try:
-            plan = plan_for_layout(layout_of(variable), variable.shape, device_mesh)
+            plan = plan_for_layout(layout_of(variable), variable.shape, device_mesh, batch_dim_name)
         except UnsupportedLayout as error:
             warn_not_honoured(variable, str(error))
             continue

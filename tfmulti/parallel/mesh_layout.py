@@ -19,10 +19,17 @@ class UnsupportedLayout(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ShardPlan:
-    """A variable split into `len(devices)` equal pieces along `axis`, piece k on devices[k]."""
+    """A variable split into `len(devices)` equal pieces along `axis`, piece k on devices[k].
+
+    With `row_axis`, shard k is split again along `row_axis` over the mesh's rows (the
+    batch axis, as FSDP does): its piece r lives on `row_devices[k][r]`, and each row
+    gathers the whole shard when it computes.
+    """
 
     axis: int
     devices: tuple[str, ...]
+    row_axis: int | None = None
+    row_devices: tuple[tuple[str, ...], ...] = ()
 
     @property
     def num_shards(self) -> int:
@@ -54,37 +61,41 @@ def mesh_device_names(device_mesh) -> np.ndarray:
     return np.array(names, dtype=object).reshape(device_mesh.devices.shape)
 
 
-def check_single_model_axis(device_mesh, batch_dim_name: str | None) -> None:
-    """Raises ValueError unless at most one mesh axis, not the batch axis, has size > 1.
+def check_model_axes(device_mesh, batch_dim_name: str | None) -> None:
+    """Raises ValueError unless at most one mesh axis other than the batch axis has size > 1.
 
-    tfmulti splits a weight over one group of devices; data-parallel copies of a sharded
-    model (a batch axis > 1 next to a model axis) are not done yet.
+    tfmulti splits a weight over one group of devices (the model axis); the batch axis
+    may have any size (`mesh_rows`: each row computes a part of the batch).
     """
     wide = [
         name
         for name, size in zip(device_mesh.axis_names, device_mesh.shape, strict=True)
-        if size > 1
+        if size > 1 and name != batch_dim_name
     ]
-    if len(wide) > 1 or (wide and wide[0] == batch_dim_name):
+    if len(wide) > 1:
         raise ValueError(
-            "On TensorFlow, tfmulti's ModelParallel shards over one mesh axis and no data "
-            f"axis: give the batch axis size 1 (e.g. shape=(1, {int(np.prod(device_mesh.shape))}))"
-            " or use keras.distribution.DataParallel. Received: mesh shape="
-            f"{tuple(device_mesh.shape)}, axis_names={tuple(device_mesh.axis_names)}, "
-            f"batch_dim_name={batch_dim_name!r}"
+            "On TensorFlow, tfmulti's ModelParallel shards over one mesh axis besides the "
+            f"batch axis: give the other axes {wide[1:]} size 1, e.g. a (batch, model) mesh. "
+            f"Received: mesh shape={tuple(device_mesh.shape)}, "
+            f"axis_names={tuple(device_mesh.axis_names)}, batch_dim_name={batch_dim_name!r}"
         )
 
 
-def plan_for_layout(layout, shape: Sequence[int], device_mesh) -> ShardPlan | None:
+def plan_for_layout(
+    layout, shape: Sequence[int], device_mesh, batch_dim_name: str | None = None
+) -> ShardPlan | None:
     """Returns how a variable of `shape` with `layout` is split, or None to keep it whole.
 
     Layout axes naming mesh axes of size 1 split nothing. Raises UnsupportedLayout for a
-    layout that splits along two mesh axes, names an unknown axis, or does not divide.
+    layout that splits along two model axes or along the batch axis alone, names an
+    unknown axis, or does not divide. Shard k goes to the k-th device of the first row.
 
     Args:
         layout: a `keras.distribution.TensorLayout`, a tuple of axis names, or None.
         shape: the variable's full shape.
         device_mesh: the `keras.distribution.DeviceMesh` the axis names refer to.
+        batch_dim_name: the mesh axis of the batch; a layout naming it beside a model axis
+            splits each shard over the rows too (`ShardPlan.row_axis`).
     """
     if layout is None:
         return None
@@ -98,18 +109,40 @@ def plan_for_layout(layout, shape: Sequence[int], device_mesh) -> ShardPlan | No
     if unknown:
         raise UnsupportedLayout(f"the layout names mesh axes {unknown} the mesh does not have")
     split = [(axis, name) for axis, name in enumerate(axes) if name is not None and sizes[name] > 1]
+    row_split = [(axis, name) for axis, name in split if name == batch_dim_name]
+    split = [(axis, name) for axis, name in split if name != batch_dim_name]
     if not split:
+        if row_split:
+            raise UnsupportedLayout(
+                f"the layout {axes} splits only along the batch axis {batch_dim_name!r}; "
+                "tfmulti splits a weight over the batch axis only beside a model axis"
+            )
         return None
     if len(split) > 1:
         raise UnsupportedLayout(
-            f"the layout {axes} splits along {len(split)} mesh axes; tfmulti splits along one"
+            f"the layout {axes} splits along {len(split)} model axes; tfmulti splits along one"
         )
-    axis, mesh_axis_name = split[0]
-    mesh_axis = list(device_mesh.axis_names).index(mesh_axis_name)
-    devices = np.moveaxis(mesh_device_names(device_mesh), mesh_axis, 0)
-    devices = devices.reshape(devices.shape[0], -1)[:, 0]
+    (axis, mesh_axis_name), row_axis = split[0], (row_split[0][0] if row_split else None)
+    names = mesh_device_names(device_mesh)
+    axis_names = list(device_mesh.axis_names)
+    if batch_dim_name not in axis_names:
+        names, axis_names = names[..., np.newaxis], [*axis_names, batch_dim_name]
+    # grid[k][r]: the device of model shard k in row r (the other axes at index 0).
+    grid = np.moveaxis(
+        names, [axis_names.index(mesh_axis_name), axis_names.index(batch_dim_name)], [0, 1]
+    )
+    grid = grid.reshape(grid.shape[0], grid.shape[1], -1)[:, :, 0]
+    devices = tuple(str(device) for device in grid[:, 0])
     if shape[axis] % len(devices):
         raise UnsupportedLayout(
             f"axis {axis} of shape {tuple(shape)} does not divide into {len(devices)} shards"
         )
-    return ShardPlan(axis, tuple(devices))
+    if row_axis is None:
+        return ShardPlan(axis, devices)
+    rows = grid.shape[1]
+    if shape[row_axis] % rows:
+        raise UnsupportedLayout(
+            f"axis {row_axis} of shape {tuple(shape)} does not divide into {rows} row pieces"
+        )
+    row_devices = tuple(tuple(str(device) for device in column) for column in grid)
+    return ShardPlan(axis, devices, row_axis, row_devices)

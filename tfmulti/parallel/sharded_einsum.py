@@ -29,6 +29,7 @@ from keras import ops
 from tfmulti.parallel.collectives import fan_out, gather, reduce_partial_sums, scatter
 from tfmulti.parallel.device_compute import run_on_device
 from tfmulti.parallel.mesh_layout import UnsupportedLayout
+from tfmulti.parallel.row_split_shard import shard_value
 
 OUTPUT, CONTRACTED, BOTH = "output", "contracted", "both"
 
@@ -148,7 +149,8 @@ def split_einsum(
     Args:
         equation: the einsum, input first, weight second.
         inputs: the input tensor (on the home device, `devices[0]`).
-        weight_shards: shard k of the weight, on `devices[k]`.
+        weight_shards: shard k of the weight, on `devices[k]` (or a `RowSplitShard`,
+            gathered there).
         devices: one device per shard.
         split: `analyse_split(equation, axis)` for the axis the weight is split along.
         shard_finish: `(index, output_slice) -> output_slice`, run on shard k's device
@@ -162,7 +164,7 @@ def split_einsum(
     handles = _input_handles(inputs, split, devices)
 
     def shard_einsum(index, piece):
-        output = einsum(equation, piece, weight_shards[index])
+        output = einsum(equation, piece, shard_value(weight_shards[index]))
         if shard_finish is not None and split.kind != CONTRACTED:
             output = shard_finish(index, output)
         return output

@@ -146,7 +146,8 @@ def _sharded_weights_by_variable(layer: keras.layers.Layer) -> dict:
     for sublayer in layer._flatten_layers(include_self=True, recursive=True):
         for sharded in getattr(sublayer, "sharded_weights", ()):
             for shard in sharded.shards:
-                by_variable[id(shard)] = sharded
+                for variable in getattr(shard, "pieces", (shard,)):
+                    by_variable[id(variable)] = sharded
     return by_variable
 
 

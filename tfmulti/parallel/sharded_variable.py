@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from tfmulti.compat import keras_distribution_tf
 from tfmulti.parallel.mesh_layout import ShardPlan
+from tfmulti.parallel.row_split_shard import RowSplitShard, shard_variables
 from tfmulti.parallel.sharded_layer import ShardedWeight
 
 
@@ -74,7 +75,8 @@ def split_variable(layer: keras.layers.Layer, variable, plan: ShardPlan) -> Shar
     """Replaces `layer`'s own `variable` with shards per `plan`, in the same place of its weights.
 
     The shards are new variables named `<name>_shard_<k>` (paths `<path>_shard_<k>`), each
-    created on its device; the whole variable is dropped from the layer, so its memory is
+    created on its device, or with `plan.row_axis` `RowSplitShard`s of variables
+    `<name>_shard_<k>_row_<r>`; the whole variable is dropped from the layer, so its memory is
     freed once nothing else holds it. Returns the view to keep where the layer held it.
     """
     with tf.init_scope():
@@ -83,15 +85,30 @@ def split_variable(layer: keras.layers.Layer, variable, plan: ShardPlan) -> Shar
         shards = []
         with _variable_path_scope(parent):
             for index, (device, piece) in enumerate(zip(plan.devices, pieces, strict=True)):
-                with tf.device(device):
-                    shards.append(
-                        keras.Variable(
-                            piece,
-                            dtype=variable.dtype,
-                            trainable=variable.trainable,
-                            name=f"{variable.name}_shard_{index}",
-                        )
+                name = f"{variable.name}_shard_{index}"
+                if plan.row_axis is None:
+                    shards.append(_new_variable(variable, piece, name, device))
+                    continue
+                row_pieces = np.split(piece, len(plan.row_devices[index]), plan.row_axis)
+                shards.append(
+                    RowSplitShard(
+                        [
+                            _new_variable(variable, row_piece, f"{name}_row_{row}", row_device)
+                            for row, (row_device, row_piece) in enumerate(
+                                zip(plan.row_devices[index], row_pieces, strict=True)
+                            )
+                        ],
+                        plan.row_axis,
                     )
-                    keras_distribution_tf.keep_optimizer_state_beside(shards[-1])
-    keras_distribution_tf.replace_own_variable(layer, variable, shards)
+                )
+    replacements = [held for shard in shards for held in shard_variables(shard)]
+    keras_distribution_tf.replace_own_variable(layer, variable, replacements)
     return ShardedVariable(shards, plan.axis, path=variable.path, devices=plan.devices)
+
+
+def _new_variable(like, value: np.ndarray, name: str, device: str) -> keras.Variable:
+    """A variable like `like` holding `value`, created on `device`, its optimizer state there."""
+    with tf.device(device):
+        created = keras.Variable(value, dtype=like.dtype, trainable=like.trainable, name=name)
+    keras_distribution_tf.keep_optimizer_state_beside(created)
+    return created

@@ -1,0 +1,198 @@
+"""keras.distribution meshes with a batch axis: ModelParallel on a (batch, model) mesh splits
+each batch over the rows, shards weights over the model axis and, where the layout names
+the batch axis too, over the rows as well (FSDP), and trains like one device."""
+
+import warnings
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+import tensorflow as tf
+from test_keras_distribution import (
+    assert_same_weights,
+    compile_and_fit,
+    gemma,
+    llama,
+    token_batches,
+)
+
+from tfmulti.parallel import (
+    LayoutNotHonouredWarning,
+    shard,
+    variable_bytes_per_device,
+)
+from tfmulti.parallel.layer_sharding import sharded_views
+from tfmulti.parallel.mesh_layout import ShardPlan, UnsupportedLayout, plan_for_layout
+
+
+def device_mesh(rows, columns):
+    devices = keras.distribution.list_devices("cpu")[: rows * columns]
+    return keras.distribution.DeviceMesh((rows, columns), ("batch", "model"), devices)
+
+
+def cpu(index):
+    return f"/device:CPU:{index}"
+
+
+def test_a_layout_naming_the_batch_axis_splits_each_shard_over_the_rows():
+    mesh = device_mesh(2, 4)
+    assert plan_for_layout(("model", "batch"), (8, 6), mesh, "batch") == ShardPlan(
+        0,
+        tuple(cpu(k) for k in range(4)),
+        row_axis=1,
+        row_devices=tuple((cpu(k), cpu(4 + k)) for k in range(4)),
+    )
+    assert plan_for_layout((None, "model"), (8, 6 * 4), mesh, "batch") == ShardPlan(
+        1, tuple(cpu(k) for k in range(4))
+    )
+    with pytest.raises(UnsupportedLayout, match="only along the batch axis"):
+        plan_for_layout(("batch", None), (8, 6), mesh, "batch")
+    with pytest.raises(UnsupportedLayout, match="does not divide into 2 row pieces"):
+        plan_for_layout(("model", "batch"), (8, 5), mesh, "batch")
+
+
+def assert_each_device_holds_its_share(model, whole, num_devices):
+    """Every device holds 1/num_devices of each sharded weight; the first also the rest."""
+    sharded_bytes = sum(int(np.prod(view.shape)) * 4 for view in sharded_views(model))
+    whole_bytes = sum(int(np.prod(variable.shape)) * 4 for variable in whole.weights)
+    assert variable_bytes_per_device(model) == {
+        cpu(index): sharded_bytes // num_devices + (whole_bytes - sharded_bytes) * (index == 0)
+        for index in range(num_devices)
+    }
+
+
+@pytest.mark.parametrize(
+    "build, backbone_class, rows, columns, optimizer_name",
+    [
+        (llama, keras_hub.models.LlamaBackbone, 2, 4, "adam"),
+        (gemma, keras_hub.models.GemmaBackbone, 2, 2, "sgd"),
+    ],
+    ids=["llama-2x4-adam", "gemma-2x2-sgd"],
+)
+def test_keras_hub_layout_on_a_batch_by_model_mesh_trains_to_unsharded_weights(
+    build, backbone_class, rows, columns, optimizer_name
+):
+    reference = build()
+    reference_history = compile_and_fit(reference, optimizer_name)
+    layout_map = backbone_class.get_layout_map(device_mesh(rows, columns))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LayoutNotHonouredWarning)
+        with keras.distribution.ModelParallel(layout_map=layout_map).scope():
+            model = build()
+    # KerasHub's maps split weights along "model" and "batch": 1/8 of each on every device.
+    assert_each_device_holds_its_share(model, reference, rows * columns)
+    history = compile_and_fit(model, optimizer_name)
+    np.testing.assert_allclose(history.history["loss"], reference_history.history["loss"], 1e-5)
+    assert_same_weights(reference, model, 1e-4)
+    if optimizer_name == "adam":  # two slots beside each piece, on its own device
+        optimizer_bytes = variable_bytes_per_device(model, part="optimizer")
+        for device, weight_bytes in variable_bytes_per_device(model).items():
+            if device != cpu(0):
+                assert optimizer_bytes[device] == 2 * weight_bytes
+    inputs, targets = token_batches()
+    np.testing.assert_allclose(
+        model.predict(inputs, batch_size=4, verbose=0),
+        reference.predict(inputs, batch_size=4, verbose=0),
+        atol=1e-5,
+    )
+    np.testing.assert_allclose(
+        model.evaluate(inputs, targets, batch_size=4, verbose=0),
+        reference.evaluate(inputs, targets, batch_size=4, verbose=0),
+        rtol=1e-5,
+    )
+
+
+class DeviceProbe(keras.layers.Layer):
+    """Passes its input on, recording where it runs and where the step's matrix products run."""
+
+    seen_devices: list = []
+    product_devices: set = set()
+
+    def call(self, inputs):
+        if not tf.executing_eagerly():
+            graph = tf.compat.v1.get_default_graph()
+            DeviceProbe.seen_devices.append(tf.DeviceSpec.from_string(inputs.device).device_index)
+            DeviceProbe.product_devices.update(
+                tf.DeviceSpec.from_string(op.device).device_index
+                for op in graph.get_operations()
+                if op.type in ("Einsum", "MatMul", "BatchMatMulV2")
+            )
+        return inputs
+
+
+def two_dense(seed=3):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="relu", name="up")(inputs)
+    outputs = keras.layers.Dense(4, name="down")(hidden)
+    return keras.Model(inputs, DeviceProbe(name="probe")(outputs))
+
+
+def fit_ten_rows(model):
+    rng = np.random.default_rng(4)
+    inputs = rng.normal(size=(10, 6)).astype("float32")
+    targets = rng.normal(size=(10, 4)).astype("float32")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    # Batches of 4, 4 and 2: each split over two rows, the last one 1 + 1.
+    history = model.fit(inputs, targets, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    return history, model.predict(inputs, batch_size=3, verbose=0)
+
+
+def column_then_row_layout(mesh):
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["up/kernel"] = (None, "model")
+    layout_map["up/bias"] = ("model",)
+    layout_map["down/kernel"] = ("model", None)
+    return layout_map
+
+
+def test_each_row_of_the_mesh_computes_its_part_of_every_batch_with_weights_held_once():
+    reference = two_dense()
+    reference_history, reference_predictions = fit_ten_rows(reference)
+    distribution = keras.distribution.ModelParallel(
+        layout_map=column_then_row_layout(device_mesh(2, 2))
+    )
+    with distribution.scope():
+        model = two_dense()
+    DeviceProbe.seen_devices.clear()  # what the symbolic build recorded
+    DeviceProbe.product_devices.clear()
+    history, predictions = fit_ten_rows(model)
+    np.testing.assert_allclose(history.history["loss"], reference_history.history["loss"], 1e-5)
+    assert_same_weights(reference, model, 1e-5)
+    np.testing.assert_allclose(predictions, reference_predictions, atol=1e-5)
+    # Rows start at devices 0 and 2 (fit, then predict); the shards computed on all four.
+    assert set(DeviceProbe.seen_devices) == {0, 2}
+    assert DeviceProbe.product_devices == {0, 1, 2, 3}
+    # The weights live once, on the first row.
+    held = variable_bytes_per_device(model)
+    assert held[cpu(0)] > 0 and held[cpu(1)] > 0 and cpu(2) not in held and cpu(3) not in held
+
+
+def test_shard_a_built_model_over_a_batch_by_model_mesh_predicts_and_trains_as_one_device():
+    model = two_dense(seed=5)
+    reference = two_dense(seed=5)
+    inputs = np.random.default_rng(6).normal(size=(5, 6)).astype("float32")
+    before = model.predict(inputs, verbose=0)
+    layout_map = keras.distribution.LayoutMap(device_mesh(2, 2))
+    layout_map["up/kernel"] = ("batch", "model")
+    layout_map["down/kernel"] = ("model", "batch")
+
+    shard(model, layout_map)
+
+    assert [len(view.shards[0].pieces) for view in sharded_views(model)] == [2, 2]
+    np.testing.assert_allclose(model.predict(inputs, batch_size=5, verbose=0), before, atol=1e-6)
+    fit_ten_rows(model)
+    fit_ten_rows(reference)
+    assert_same_weights(reference, model, 1e-5)
+
+
+def test_a_mesh_with_two_model_axes_is_refused_in_one_line_naming_it():
+    devices = keras.distribution.list_devices("cpu")[:8]
+    mesh = keras.distribution.DeviceMesh((2, 2, 2), ("batch", "model", "expert"), devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["up/kernel"] = (None, "model")
+    with keras.distribution.ModelParallel(layout_map=layout_map).scope():
+        with pytest.raises(ValueError, match=r"Received: mesh shape=\(2, 2, 2\)") as error:
+            two_dense()
+    assert "\n" not in str(error.value) and "'expert'" in str(error.value)
