@@ -33,8 +33,19 @@ def layout_env(tmp_path):
     return {"PYTHONPATH": os.pathsep.join([str(directory), os.environ.get("PYTHONPATH", "")])}
 
 
+@pytest.mark.parametrize(
+    "mesh_args, expected_log",
+    [
+        (["--virtual_devices=2"], "6 weights sharded over 2 devices, batch split over 1 rows"),
+        (
+            ["--virtual_devices=4", "--mesh=data=2,tensor=2"],
+            "6 weights sharded over 4 devices, batch split over 2 rows",
+        ),
+    ],
+    ids=["model-axis", "batch-by-model-mesh"],
+)
 def test_keras_model_parallel_script_trains_like_one_device(
-    tmp_path, layout_env, one_device_metrics
+    tmp_path, layout_env, one_device_metrics, mesh_args, expected_log
 ):
     model_dir = str(tmp_path / "run")
     result = run_script(
@@ -42,12 +53,12 @@ def test_keras_model_parallel_script_trains_like_one_device(
         *TWO_EPOCHS,
         "--strategy=keras_model_parallel",
         "--layout_map=user_layouts:mlp_layout_map",
-        "--virtual_devices=2",
+        *mesh_args,
         f"--model_dir={model_dir}",
         env=layout_env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "keras.distribution: 6 weights sharded over 2 devices" in result.stderr
+    assert f"keras.distribution: {expected_log}" in result.stderr
     assert_same_training(read_metrics(model_dir), one_device_metrics)
 
 
@@ -61,8 +72,26 @@ def test_keras_model_parallel_script_trains_like_one_device(
             1,
             "Received: dict from --layout_map=user_layouts:not_a_layout_map",
         ),
+        (
+            [
+                "--strategy=keras_model_parallel",
+                "--layout_map=user_layouts:mlp_layout_map",
+                "--mesh=data=2,pipe=2",
+            ],
+            1,
+            "for pipelines use --strategy=hybrid. Received: --mesh=data=2,pipe=2",
+        ),
+        (
+            [
+                "--strategy=keras_model_parallel",
+                "--layout_map=user_layouts:mlp_layout_map",
+                "--mesh=data=2,tensor=2",
+            ],
+            1,
+            "--mesh=data=2,tensor=2 needs 4 devices but only 2 exist",
+        ),
     ],
-    ids=["missing", "without-strategy", "returns-a-dict"],
+    ids=["missing", "without-strategy", "returns-a-dict", "mesh-with-pipe", "mesh-too-big"],
 )
 def test_bad_layout_map_exits_with_one_line(tmp_path, layout_env, args, code, expected):
     model_dir = str(tmp_path / "run")

@@ -266,20 +266,27 @@ def define_pipeline_flags() -> None:
         "layout_map",
         None,
         "With --strategy=keras_model_parallel: package.module:function taking a "
-        "keras.distribution.DeviceMesh of shape (1, devices), axes (batch, model), and "
-        "returning a keras.distribution.LayoutMap (e.g. a KerasHub backbone's get_layout_map).",
+        "keras.distribution.DeviceMesh with axes (batch, model), of shape (1, devices) or "
+        "(data, tensor) of --mesh, and returning a keras.distribution.LayoutMap (e.g. a "
+        "KerasHub backbone's get_layout_map).",
     )
     flags.DEFINE_string(
         "mesh",
         None,
         "Device mesh of --strategy=hybrid, e.g. data=2,pipe=2: data x pipe = devices per "
-        "host x workers; each data replica pipelines over pipe devices of one host.",
+        "host x workers; each data replica pipelines over pipe devices of one host. With "
+        "--strategy=keras_model_parallel, data=D,tensor=K: the (batch, model) mesh's shape.",
     )
     flags.register_validator("mesh", _is_mesh, message="--mesh must be like data=2,pipe=2")
     flags.register_multi_flags_validator(
         ["strategy", "mesh"],
-        lambda values: (values["strategy"] == "hybrid") == (values["mesh"] is not None),
-        message="--mesh goes with --strategy=hybrid, and --strategy=hybrid needs --mesh",
+        lambda values: (
+            values["strategy"] in ("hybrid", KERAS_MODEL_PARALLEL_NAME)
+            if values["mesh"] is not None
+            else values["strategy"] != "hybrid"
+        ),
+        message="--mesh goes with --strategy=hybrid or keras_model_parallel, and "
+        "--strategy=hybrid needs --mesh",
     )
     flags.register_multi_flags_validator(
         ["strategy", "trace_steps"],
