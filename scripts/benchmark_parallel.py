@@ -9,8 +9,9 @@ the machine's cores, so a gain shows only where both devices' matmuls overlap.
 
 The `keras_llama` section builds a small KerasHub Llama under
 `keras.distribution.ModelParallel` with `LlamaBackbone.get_layout_map` for each of
-`--llama_ways` (1: unsharded) and records variable bytes per device (model and Adam
-state separately) and training examples/sec, timed in rotating rounds.
+`--llama_ways` (1: unsharded; RxK: a (batch, model) mesh of R rows, the batch split over
+them) and records variable bytes per device (model and Adam state separately) and
+training examples/sec, timed in rotating rounds.
 
 The `mesh3d` section trains the reference Transformer on 8 logical devices in each of
 `--meshes` (data x pipe x tensor) with `scripts/train.py`, run by the planner's own
@@ -58,7 +59,11 @@ flags.DEFINE_integer("sequence_length", 128, "Tokens per example.", lower_bound=
 flags.DEFINE_integer("tensor_parallel", 2, "Devices the MLP is split over.", lower_bound=2)
 flags.DEFINE_integer("steps", 3, "Timed steps per round and layout.", lower_bound=1)
 flags.DEFINE_integer("rounds", 2, "ABBA rounds (each times both layouts twice).", lower_bound=1)
-flags.DEFINE_list("llama_ways", ["1", "2", "4"], "keras_llama: devices the layout shards over.")
+flags.DEFINE_list(
+    "llama_ways",
+    ["1", "2", "4", "2x2", "2x4"],
+    "keras_llama: devices the layout shards over: K, or RxK for a (batch, model) mesh of R rows.",
+)
 flags.DEFINE_integer("llama_hidden_dim", 64, "keras_llama: hidden width (4 heads).", lower_bound=4)
 flags.DEFINE_integer("llama_batch_size", 8, "keras_llama: examples per step.", lower_bound=1)
 flags.DEFINE_multi_string(
@@ -91,8 +96,8 @@ flags.register_validator(
 )
 flags.register_validator(
     "llama_ways",
-    lambda values: all(value.isdigit() and int(value) >= 1 for value in values),
-    "each value must be a positive integer (devices the Llama layout shards over)",
+    lambda values: all(_is_llama_mesh(value) for value in values),
+    "each value must be K or RxK with positive integers (rows x devices the layout shards over)",
 )
 flags.register_validator(
     "rows",
@@ -208,8 +213,19 @@ def mlp_record(d_model: int, rows: int) -> dict:
     }
 
 
-def _llama(ways: int):
-    """The small Llama causal LM, sharded `ways` ways by KerasHub's own layout map."""
+def _is_llama_mesh(text: str) -> bool:
+    parts = text.split("x")
+    return len(parts) <= 2 and all(part.isdigit() and int(part) >= 1 for part in parts)
+
+
+def _llama_mesh_shape(text: str) -> tuple[int, int]:
+    """ "4" -> (1, 4); "2x4" -> (2, 4): rows of the batch axis, devices of the model axis."""
+    parts = [int(part) for part in text.split("x")]
+    return (1, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+
+
+def _llama(mesh_text: str):
+    """The small Llama causal LM, sharded by KerasHub's own layout map on a (rows, ways) mesh."""
     import contextlib
 
     import keras
@@ -217,9 +233,10 @@ def _llama(ways: int):
 
     keras.utils.set_random_seed(0)
     scope = contextlib.nullcontext()
-    if ways > 1:
-        devices = keras.distribution.list_devices("cpu")[:ways]
-        mesh = keras.distribution.DeviceMesh((1, ways), ("batch", "model"), devices)
+    shape = _llama_mesh_shape(mesh_text)
+    if shape != (1, 1):
+        devices = keras.distribution.list_devices("cpu")[: shape[0] * shape[1]]
+        mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
         layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
         scope = keras.distribution.ModelParallel(layout_map=layout_map).scope()
     with scope:
@@ -243,7 +260,7 @@ LLAMA_VOCABULARY = 256
 
 
 def keras_llama_records() -> list[dict]:
-    """Variable bytes per device and examples/sec of the Llama sharded 1, 2, 4... ways."""
+    """Variable bytes per device and examples/sec of the Llama on each (rows, ways) mesh."""
     import numpy as np
 
     from tfmulti.parallel import variable_bytes_per_device
@@ -255,7 +272,7 @@ def keras_llama_records() -> list[dict]:
         "padding_mask": np.ones(shape, "int32"),
     }
     targets = rng.integers(0, LLAMA_VOCABULARY, shape).astype("int32")
-    ways_list = [int(value) for value in FLAGS.llama_ways]
+    ways_list = list(FLAGS.llama_ways)
     models = {ways: _llama(ways) for ways in ways_list}
     seconds = {ways: [] for ways in ways_list}
     for model in models.values():
@@ -275,6 +292,7 @@ def keras_llama_records() -> list[dict]:
             {
                 "benchmark": "keras_model_parallel_llama",
                 "ways": ways,
+                "mesh_shape": list(_llama_mesh_shape(ways)),
                 "hidden_dim": FLAGS.llama_hidden_dim,
                 "batch_size": FLAGS.llama_batch_size,
                 "sequence_length": FLAGS.sequence_length,
@@ -572,7 +590,7 @@ def main(argv):
     start_tensorflow(FLAGS.tf_log_level)
     from tfmulti.devices import configure_logical_devices
 
-    llama_ways = [int(value) for value in FLAGS.llama_ways]
+    llama_ways = [rows * ways for rows, ways in map(_llama_mesh_shape, FLAGS.llama_ways)]
     mesh_devices = [MESH3D_DEVICES] if "mesh3d" in FLAGS.sections else []
     reduce_ways = [int(v) for v in FLAGS.reduce_ways] if "tensor_reduce" in FLAGS.sections else []
     configure_logical_devices(

@@ -31,11 +31,13 @@ def _train(argv: list[str]) -> None:
 
         configure_logical_devices(FLAGS.virtual_devices)
     from tfmulti.model_setup import resolve_run_cluster
+    from tfmulti.parallel.collective_all_reduce import set_collective_timeout
     from tfmulti.parallel.tensor_reduction import set_tensor_reduction
     from tfmulti.training import train
     from tfmulti.worker_console import quiet_unless_chief
 
     set_tensor_reduction(FLAGS.tensor_reduce)
+    set_collective_timeout(FLAGS.collective_timeout)
     config = config_from_flags()
     quiet = quiet_unless_chief(resolve_run_cluster(config), FLAGS.verbose_workers)
     record = train(config)

@@ -35,7 +35,19 @@ from tfmulti.parallel.multi_device_op import multi_device_op, zeros_where_missin
 _KEY_BASE = 1 << 24
 _GROUPS_PER_TASK_BITS = 12
 # A collective whose peers do not arrive within this fails instead of hanging.
-TIMEOUT_SECONDS = 600.0
+DEFAULT_TIMEOUT_SECONDS = 600.0
+_timeout_seconds = [DEFAULT_TIMEOUT_SECONDS]
+
+
+def set_collective_timeout(seconds: float | None) -> None:
+    """Makes collectives traced from now on fail after `seconds` (None: the default, 600 s).
+
+    Example:
+        >>> set_collective_timeout(120.0)  # scripts/train.py --collective_timeout=120
+    """
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"The collective timeout must be > 0 seconds. Received: {seconds!r}")
+    _timeout_seconds[0] = DEFAULT_TIMEOUT_SECONDS if seconds is None else float(seconds)
 
 
 class _Keys:
@@ -130,7 +142,7 @@ def _collective_sums(tensors: Sequence[tf.Tensor], devices: Sequence[str]) -> li
                     group_key=group_key,
                     instance_key=instance_key,
                     communication_hint=hint,
-                    timeout=TIMEOUT_SECONDS,
+                    timeout=_timeout_seconds[0],
                     ordering_token=_KEYS.ordering_token(device),
                 )
             )
