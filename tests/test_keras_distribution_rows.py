@@ -180,7 +180,7 @@ def test_shard_a_built_model_over_a_batch_by_model_mesh_predicts_and_trains_as_o
 
     shard(model, layout_map)
 
-    assert [len(view.shards[0].pieces) for view in sharded_views(model)] == [2, 2]
+    assert [len(view.shards[0].shards) for view in sharded_views(model)] == [2, 2]
     np.testing.assert_allclose(model.predict(inputs, batch_size=5, verbose=0), before, atol=1e-6)
     fit_ten_rows(model)
     fit_ten_rows(reference)

@@ -43,15 +43,36 @@ class ShardedWeight:
     shards: list
     axis: int
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The unsplit weight's shape."""
+        shape = list(self.shards[0].shape)
+        shape[self.axis] *= len(self.shards)
+        return tuple(shape)
+
+    @property
+    def dtype(self):
+        return self.shards[0].dtype
+
     def unsplit_value(self) -> np.ndarray:
         return np.concatenate(
             [keras.ops.convert_to_numpy(shard) for shard in self.shards], self.axis
         )
 
+    def numpy(self) -> np.ndarray:
+        return self.unsplit_value()
+
+    def __array__(self, dtype=None, copy=None):
+        value = self.unsplit_value()
+        return value if dtype is None else value.astype(dtype)
+
+    def assign(self, value) -> None:
+        """Splits a whole value into the shards."""
+        self.assign_unsplit(keras.ops.convert_to_numpy(value))
+
     def assign_unsplit(self, value) -> None:
         value = np.asarray(value)
-        expected = list(self.shards[0].shape)
-        expected[self.axis] *= len(self.shards)
+        expected = list(self.shape)
         if list(value.shape) != expected:
             raise ValueError(
                 f"Expected an unsplit weight of shape {tuple(expected)}. "
@@ -146,7 +167,8 @@ def _sharded_weights_by_variable(layer: keras.layers.Layer) -> dict:
     for sublayer in layer._flatten_layers(include_self=True, recursive=True):
         for sharded in getattr(sublayer, "sharded_weights", ()):
             for shard in sharded.shards:
-                for variable in getattr(shard, "pieces", (shard,)):
+                # A shard split over mesh rows (`RowSplitShard`) is held by its pieces.
+                for variable in getattr(shard, "shards", (shard,)):
                     by_variable[id(variable)] = sharded
     return by_variable
 

@@ -28,16 +28,6 @@ class ShardedVariable(ShardedWeight):
     devices: tuple[str, ...] = ()
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        shape = list(self.shards[0].shape)
-        shape[self.axis] *= len(self.shards)
-        return tuple(shape)
-
-    @property
-    def dtype(self):
-        return self.shards[0].dtype
-
-    @property
     def name(self) -> str:
         return self.path.rsplit("/", 1)[-1]
 
@@ -46,17 +36,6 @@ class ShardedVariable(ShardedWeight):
         """The whole value, joined on the first shard's device."""
         with tf.device(self.devices[0]):
             return keras.ops.concatenate([shard.value for shard in self.shards], self.axis)
-
-    def numpy(self) -> np.ndarray:
-        return self.unsplit_value()
-
-    def __array__(self, dtype=None, copy=None):
-        value = self.unsplit_value()
-        return value if dtype is None else value.astype(dtype)
-
-    def assign(self, value) -> None:
-        """Splits a whole value into the shards."""
-        self.assign_unsplit(keras.ops.convert_to_numpy(value))
 
 
 def _variable_path_scope(path: str):
