@@ -89,16 +89,25 @@ TRANSFORMER = (
 )
 
 
-@pytest.mark.parametrize("reduction", ["ring", "collective"])
-def test_data_pipe_tensor_mesh_across_two_workers_trains_like_one_device(tmp_path, reduction):
-    # 2 workers x 4 devices: a data replica per worker, 2 stages, each split over 2 devices;
-    # with collectives, each worker's tensor groups have keys of their own under the
-    # runtime that also runs the cross-worker gradient all-reduce.
-    reference_dir, model_dir = str(tmp_path / "one"), str(tmp_path / "mesh")
+@pytest.fixture(scope="module")
+def transformer_on_one_device(tmp_path_factory):
+    """metrics.json of the small Transformer trained on one device."""
+    reference_dir = str(tmp_path_factory.mktemp("transformer_one_device"))
     reference = run_script(
         "train.py", *TRANSFORMER, "--strategy=one_device", f"--model_dir={reference_dir}"
     )
     assert reference.returncode == 0, reference.stderr[-3000:]
+    return read_metrics(reference_dir)
+
+
+@pytest.mark.parametrize("reduction", ["ring", "collective"])
+def test_data_pipe_tensor_mesh_across_two_workers_trains_like_one_device(
+    tmp_path, reduction, transformer_on_one_device
+):
+    # 2 workers x 4 devices: a data replica per worker, 2 stages, each split over 2 devices;
+    # with collectives, each worker's tensor groups have keys of their own under the
+    # runtime that also runs the cross-worker gradient all-reduce.
+    model_dir = str(tmp_path / "mesh")
     returncode, output = launch_training(
         *TRANSFORMER,
         "--strategy=hybrid",
@@ -110,4 +119,4 @@ def test_data_pipe_tensor_mesh_across_two_workers_trains_like_one_device(tmp_pat
         devices_per_worker=4,
     )
     assert returncode == 0, output[-3000:]
-    assert_same_training(read_metrics(model_dir), read_metrics(reference_dir))
+    assert_same_training(read_metrics(model_dir), transformer_on_one_device)
