@@ -68,21 +68,3 @@ def test_a_read_of_a_value_not_in_flight_is_found():
     schedule = build_schedule("1f1b", 2, 2)
     backward_first = [a for a in _all_actions(schedule) if a.kind == "B"]
     assert in_flight_after(backward_first, set(), schedule.num_stages) is None
-
-
-@pytest.mark.parametrize("name, actions_per_microbatch", [("1f1b", 2), ("zb_h1", 3)])
-@pytest.mark.parametrize("num_devices", [2, 4, 8])
-def test_each_device_rolls_from_its_own_steady_state(name, actions_per_microbatch, num_devices):
-    # Device d warms up with p - 1 - d forwards and enters its steady state then, so its
-    # rounds start there, not where the slowest device's do: m - p + 1 rounds (the first
-    # device's steady rounds), and p x p (F, B) or (F, I, W) actions traced in all (a
-    # round common to all devices' ticks traced 40 for 1F1B at p=4, not 32).
-    num_microbatches = 4 * num_devices
-    schedule = build_schedule(name, num_devices, num_microbatches)
-    rolled = roll_schedule(schedule)
-    assert rolled.rounds == num_microbatches - num_devices + 1
-    assert rolled.traced_actions == actions_per_microbatch * num_devices**2
-    if name == "1f1b":
-        warm_up = sum(num_devices - 1 - device for device in range(num_devices))
-        assert len(rolled.prologue) == warm_up
-        assert all(action.kind == "F" for action in rolled.prologue)

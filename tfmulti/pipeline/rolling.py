@@ -100,11 +100,6 @@ def roll_schedule(schedule: Schedule, min_rounds: int = 2) -> RolledSchedule | N
                 continue
             if best is None or candidate.traced_actions < best.traced_actions:
                 best = candidate
-        candidate = _per_device_candidate(schedule, records, stride, min_rounds)
-        if candidate is not None and (
-            best is None or candidate.traced_actions < best.traced_actions
-        ):
-            best = candidate
     return best
 
 
@@ -148,69 +143,6 @@ def _candidate(
         epilogue=tuple(flatten(rows[end:])),
     )
     return rolled if _carries_one_shape(rolled) and _keeps_device_order(rolled) else None
-
-
-def _per_device_candidate(
-    schedule: Schedule, records: list, stride: int, min_rounds: int
-) -> RolledSchedule | None:
-    """A roll whose rounds start where each device's own actions start repeating.
-
-    Devices enter and leave their steady state at different ticks (in 1F1B the first
-    stage warms up with p - 1 forwards, the last with none), so one tick range common to
-    all devices leaves steady actions of some devices in the prologue or epilogue. Here
-    each device's rounds start at its first repeating action; the rounds are as many as
-    the device with the fewest has, and every action keeps its unit-time tick for the
-    order in which the prologue, the body and the epilogue are built.
-    """
-    tick = {record.action: record.start for record in records}
-    windows = []
-    for actions in schedule.device_actions:
-        per_round, remainder = divmod(len(actions) * stride, max(schedule.num_microbatches, 1))
-        if remainder or per_round == 0:
-            return None
-        window = _first_repeating_run(actions, per_round, stride)
-        if window is None:
-            return None
-        windows.append(window)
-    rounds = min(available for _, _, available in windows)
-    if rounds < min_rounds:
-        return None
-    prologue, body, epilogue = [], [], []
-    for actions, (start, per_round, _) in zip(schedule.device_actions, windows, strict=True):
-        end = start + rounds * per_round
-        prologue += actions[:start]
-        body += actions[start : start + per_round]
-        epilogue += actions[end:]
-    by_tick = lambda actions: tuple(sorted(actions, key=lambda a: (tick[a], a)))  # noqa: E731
-    rolled = RolledSchedule(
-        schedule=schedule,
-        prologue=by_tick(prologue),
-        body=by_tick(body),
-        rounds=rounds,
-        stride=stride,
-        epilogue=by_tick(epilogue),
-    )
-    return rolled if _carries_one_shape(rolled) and _keeps_device_order(rolled) else None
-
-
-def _first_repeating_run(
-    actions: tuple[Action, ...], per_round: int, stride: int
-) -> tuple[int, int, int] | None:
-    """(first index, actions per round, rounds) of the first run of `actions` that repeats
-    every `per_round` actions `stride` micro-batches on, or None if none does."""
-    repeats = [
-        index + per_round < len(actions)
-        and actions[index + per_round] == shifted(actions[index], stride)
-        for index in range(len(actions))
-    ]
-    if True not in repeats:
-        return None
-    start = repeats.index(True)
-    end = start
-    while end < len(actions) and repeats[end]:
-        end += 1
-    # Actions [start, end + per_round) repeat: whole rounds of `per_round` from `start`.
-    return start, per_round, (end - start + per_round) // per_round
 
 
 def _keeps_device_order(rolled: RolledSchedule) -> bool:
