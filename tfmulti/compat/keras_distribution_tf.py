@@ -163,7 +163,7 @@ def _steps_split_by_mesh_rows(attribute: str) -> Callable:
 
             rows = mesh_rows_of(layers_within(self))
             if rows is None:
-                return function
+                return returned
 
             def step_split_by_rows(*args, **kwargs):
                 with _calls_split_by_rows(self, rows):
@@ -171,7 +171,7 @@ def _steps_split_by_mesh_rows(attribute: str) -> Callable:
 
             setattr(step_split_by_rows, _SPLIT_BY_ROWS, True)
             setattr(self, attribute, step_split_by_rows)
-            return step_split_by_rows
+            return step_split_by_rows if returned is not None else None
 
         return make_function
 

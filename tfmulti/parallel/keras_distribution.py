@@ -97,7 +97,8 @@ def shard(
         )
     device_mesh = layout_map.device_mesh
     check_model_axes(device_mesh, batch_dim_name)
-    mark_mesh_rows(model, MeshRows.of_device_mesh(device_mesh, batch_dim_name))
+    rows = MeshRows.of_device_mesh(device_mesh, batch_dim_name)
+    mark_mesh_rows(model, rows)
 
     def layout_of(variable):
         return layout_map[variable.path]
@@ -105,7 +106,7 @@ def shard(
     sharded = False
     for layer in keras_distribution_tf.layers_within(model):
         sharded = shard_layer(layer, layout_of, device_mesh, batch_dim_name) or sharded
-    if sharded or MeshRows.of_device_mesh(device_mesh, batch_dim_name).num_rows > 1:
+    if sharded or rows.num_rows > 1:
         # Traced steps read the whole weights; retrace, and without XLA (one device only).
         model.train_function = model.test_function = model.predict_function = None
         if model.compiled:

@@ -96,13 +96,13 @@ def mesh_rows_of(layers: Sequence) -> MeshRows | None:
     return found.pop() if found else None
 
 
+def _is_batched(value) -> bool:
+    return tf.is_tensor(value) and bool(value.shape.rank)
+
+
 def _row_slices(args, kwargs, num_rows: int) -> list[tuple]:
     """`(args, kwargs)` with every batched tensor split into `num_rows` consecutive parts."""
-    batched = [
-        value
-        for value in tf.nest.flatten((args, kwargs))
-        if tf.is_tensor(value) and value.shape.rank
-    ]
+    batched = [value for value in tf.nest.flatten((args, kwargs)) if _is_batched(value)]
     if not batched:
         raise ValueError(
             "A model sharded over a mesh with a batch axis needs tensor inputs to split by "
@@ -115,7 +115,7 @@ def _row_slices(args, kwargs, num_rows: int) -> list[tuple]:
         parts.append(
             tf.nest.map_structure(
                 lambda value, start=start, stop=stop: (
-                    value[start:stop] if tf.is_tensor(value) and value.shape.rank else value
+                    value[start:stop] if _is_batched(value) else value
                 ),
                 (args, kwargs),
             )
