@@ -8,6 +8,13 @@ import subprocess
 import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The scripts import a user's modules (e.g. `--layout_map=user_layouts:mlp_layout_map`)
+# from PYTHONPATH; `tests/user_code` holds the tests' ones.
+USER_CODE_ENV = {
+    "PYTHONPATH": os.pathsep.join(
+        [os.path.join(REPO_ROOT, "tests", "user_code"), os.environ.get("PYTHONPATH", "")]
+    )
+}
 
 
 def script_environment() -> dict:

@@ -11,7 +11,7 @@ import time
 import h5py
 import numpy as np
 import pytest
-from script_runner import REPO_ROOT, read_metrics, run_script
+from script_runner import REPO_ROOT, USER_CODE_ENV, read_metrics, run_script
 
 # Long epochs with step checkpoints, so a kill lands well inside an epoch.
 RUN = (
@@ -38,6 +38,14 @@ STRATEGIES = {
         "--schedule=1f1b",
     ),
     "model_parallel": ("--strategy=model_parallel", "--virtual_devices=2", "--num_stages=2"),
+    # keras.distribution's ModelParallel on a (batch, model) mesh: sharded weights, Adam
+    # slots beside each shard, the batch split over two rows.
+    "keras_model_parallel": (
+        "--strategy=keras_model_parallel",
+        "--layout_map=user_layouts:mlp_layout_map",
+        "--virtual_devices=4",
+        "--mesh=data=2,tensor=2",
+    ),
     "hybrid": (
         "--strategy=hybrid",
         "--mesh=data=2,pipe=2",
@@ -47,7 +55,7 @@ STRATEGIES = {
     ),
 }
 # Each strategy is stopped once, by SIGKILL or by SIGTERM (both resume from a step checkpoint).
-KILLED = ["one_device", "mirrored", "pipeline"]
+KILLED = ["one_device", "mirrored", "pipeline", "keras_model_parallel"]
 PREEMPTED = ["pipeline", "model_parallel", "hybrid"]
 
 
@@ -77,7 +85,7 @@ def assert_same_run(model_dir: str, reference_dir: str) -> None:
 
 def start_training(*args: str) -> subprocess.Popen:
     command = [sys.executable, os.path.join(REPO_ROOT, "scripts", "train.py"), *args]
-    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    environment = {**os.environ, **USER_CODE_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}
     return subprocess.Popen(
         command,
         cwd=REPO_ROOT,
@@ -117,7 +125,9 @@ def uninterrupted(tmp_path_factory):
     def run(name: str) -> str:
         if name not in runs:
             model_dir = str(tmp_path_factory.mktemp(f"whole-{name}"))
-            result = run_script("train.py", *RUN, *STRATEGIES[name], f"--model_dir={model_dir}")
+            result = run_script(
+                "train.py", *RUN, *STRATEGIES[name], f"--model_dir={model_dir}", env=USER_CODE_ENV
+            )
             assert result.returncode == 0, result.stderr[-3000:]
             runs[name] = model_dir
         return runs[name]
@@ -133,7 +143,7 @@ def test_run_killed_mid_epoch_resumes_at_the_exact_step_with_the_uninterrupted_w
     flags = (*RUN, *STRATEGIES[strategy], f"--model_dir={model_dir}")
     kill_after_step_checkpoint(start_training(*flags), model_dir)
 
-    resumed = run_script("train.py", *flags, "--resume")
+    resumed = run_script("train.py", *flags, "--resume", env=USER_CODE_ENV)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     resumes = read_metrics(model_dir)["resumes"]
     assert len(resumes) == 1
@@ -156,7 +166,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_in_one_line(
     with open(newest, "r+b") as handle:  # as a disk or a kill mid-copy would leave it
         handle.truncate(os.path.getsize(newest) // 2)
 
-    resumed = run_script("train.py", *flags, "--resume")
+    resumed = run_script("train.py", *flags, "--resume", env=USER_CODE_ENV)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     fallback_lines = [
         line for line in resumed.stderr.splitlines() if "incomplete or damaged" in line
@@ -201,7 +211,7 @@ def test_sigterm_saves_a_checkpoint_exits_with_the_restart_code_and_resumes_exac
     assert position > 7
     assert os.path.exists(os.path.join(model_dir, "backup", preemption["checkpoint"]))
 
-    resumed = run_script("train.py", *flags, "--resume")
+    resumed = run_script("train.py", *flags, "--resume", env=USER_CODE_ENV)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     (resume,) = read_metrics(model_dir)["resumes"]
     assert (resume["epoch"], resume["step"]) == (preemption["epoch"], preemption["step"])

@@ -1,36 +1,15 @@
 """`scripts/train.py --strategy=keras_model_parallel --layout_map=module:function` trains the
 model sharded by the user's keras.distribution layout map exactly as on one device."""
 
-import os
-
 import pytest
-from script_runner import TWO_EPOCHS, assert_same_training, last_line, read_metrics, run_script
-
-# The user's layout map: Megatron's column/row pairs over the reference MLP's blocks.
-LAYOUT_MODULE = """
-import keras
-
-
-def mlp_layout_map(device_mesh):
-    layout_map = keras.distribution.LayoutMap(device_mesh)
-    layout_map["mlp_hidden_[02]/.*kernel"] = (None, "model")
-    layout_map["mlp_hidden_[02]/.*bias"] = ("model",)
-    layout_map["mlp_hidden_1/.*kernel"] = ("model", None)
-    layout_map["mlp_head/.*kernel"] = ("model", None)
-    return layout_map
-
-
-def not_a_layout_map(device_mesh):
-    return {"mlp_head/.*kernel": ("model", None)}
-"""
-
-
-@pytest.fixture
-def layout_env(tmp_path):
-    directory = tmp_path / "user_code"
-    directory.mkdir()
-    (directory / "user_layouts.py").write_text(LAYOUT_MODULE)
-    return {"PYTHONPATH": os.pathsep.join([str(directory), os.environ.get("PYTHONPATH", "")])}
+from script_runner import (
+    TWO_EPOCHS,
+    USER_CODE_ENV,
+    assert_same_training,
+    last_line,
+    read_metrics,
+    run_script,
+)
 
 
 @pytest.mark.parametrize(
@@ -45,7 +24,7 @@ def layout_env(tmp_path):
     ids=["model-axis", "batch-by-model-mesh"],
 )
 def test_keras_model_parallel_script_trains_like_one_device(
-    tmp_path, layout_env, one_device_metrics, mesh_args, expected_log
+    tmp_path, one_device_metrics, mesh_args, expected_log
 ):
     model_dir = str(tmp_path / "run")
     result = run_script(
@@ -55,7 +34,7 @@ def test_keras_model_parallel_script_trains_like_one_device(
         "--layout_map=user_layouts:mlp_layout_map",
         *mesh_args,
         f"--model_dir={model_dir}",
-        env=layout_env,
+        env=USER_CODE_ENV,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"keras.distribution: {expected_log}" in result.stderr
@@ -93,7 +72,7 @@ def test_keras_model_parallel_script_trains_like_one_device(
     ],
     ids=["missing", "without-strategy", "returns-a-dict", "mesh-with-pipe", "mesh-too-big"],
 )
-def test_bad_layout_map_exits_with_one_line(tmp_path, layout_env, args, code, expected):
+def test_bad_layout_map_exits_with_one_line(tmp_path, args, code, expected):
     model_dir = str(tmp_path / "run")
     result = run_script(
         "train.py",
@@ -101,7 +80,7 @@ def test_bad_layout_map_exits_with_one_line(tmp_path, layout_env, args, code, ex
         *args,
         "--virtual_devices=2",
         f"--model_dir={model_dir}",
-        env=layout_env,
+        env=USER_CODE_ENV,
     )
     assert result.returncode == code, result.stderr[-3000:]
     assert expected in last_line(result.stderr)
