@@ -24,6 +24,7 @@ from tfmulti.parallel import (
 )
 from tfmulti.parallel.layer_sharding import sharded_views
 from tfmulti.parallel.mesh_layout import ShardPlan, UnsupportedLayout, plan_for_layout
+from tfmulti.parallel.mesh_rows import MeshRows, call_by_rows
 
 
 def device_mesh(rows, columns):
@@ -121,18 +122,24 @@ class DeviceProbe(keras.layers.Layer):
         return inputs
 
 
-def two_dense(seed=3):
+def two_dense(seed=3, activity_regularizer=None, normalize_inputs=False):
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((6,))
-    hidden = keras.layers.Dense(8, activation="relu", name="up")(inputs)
+    hidden = keras.layers.BatchNormalization(name="norm")(inputs) if normalize_inputs else inputs
+    hidden = keras.layers.Dense(
+        8, activation="relu", name="up", activity_regularizer=activity_regularizer
+    )(hidden)
     outputs = keras.layers.Dense(4, name="down")(hidden)
     return keras.Model(inputs, DeviceProbe(name="probe")(outputs))
 
 
-def fit_ten_rows(model):
+def ten_rows():
     rng = np.random.default_rng(4)
-    inputs = rng.normal(size=(10, 6)).astype("float32")
-    targets = rng.normal(size=(10, 4)).astype("float32")
+    return rng.normal(size=(10, 6)).astype("float32"), rng.normal(size=(10, 4)).astype("float32")
+
+
+def fit_ten_rows(model):
+    inputs, targets = ten_rows()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     # Batches of 4, 4 and 2: each split over two rows, the last one 1 + 1.
     history = model.fit(inputs, targets, batch_size=4, epochs=2, shuffle=False, verbose=0)
@@ -167,6 +174,62 @@ def test_each_row_of_the_mesh_computes_its_part_of_every_batch_with_weights_held
     # The weights live once, on the first row.
     held = variable_bytes_per_device(model)
     assert held[cpu(0)] > 0 and held[cpu(1)] > 0 and cpu(2) not in held and cpu(3) not in held
+
+
+def test_losses_a_layer_adds_in_its_call_count_the_whole_batch_once():
+    reference = two_dense(activity_regularizer="l2")
+    reference_history, _ = fit_ten_rows(reference)
+    distribution = keras.distribution.ModelParallel(
+        layout_map=column_then_row_layout(device_mesh(2, 2))
+    )
+    with distribution.scope():
+        model = two_dense(activity_regularizer="l2")
+    history, _ = fit_ten_rows(model)
+    # Each row's activity loss is divided by the row's size: weighted by the rows' shares
+    # they sum to the whole batch's (added per row, they counted twice).
+    np.testing.assert_allclose(history.history["loss"], reference_history.history["loss"], 1e-5)
+    assert_same_weights(reference, model, 1e-5)
+
+
+def test_moving_statistics_move_once_per_step_by_the_rows_statistics():
+    reference = two_dense(normalize_inputs=True)
+    fit_ten_rows(reference)
+    distribution = keras.distribution.ModelParallel(
+        layout_map=column_then_row_layout(device_mesh(2, 2))
+    )
+    with distribution.scope():
+        model = two_dense(normalize_inputs=True)
+    fit_ten_rows(model)
+    norm = model.get_layer("norm")
+    # The normalised inputs do not depend on the weights: the moving mean is one device's.
+    np.testing.assert_allclose(norm.moving_mean, reference.get_layer("norm").moving_mean, 1e-6)
+    # The moving variance follows the rows' own (biased) variances, averaged: closed form.
+    inputs, _ = ten_rows()
+    expected_variance = np.ones(6)
+    for _ in range(2):  # epochs of batches 4, 4, 2, each split over two rows
+        for start, size in [(0, 4), (4, 4), (8, 2)]:
+            halves = np.split(inputs[start : start + size], 2)
+            row_variance = np.mean([half.var(axis=0) for half in halves], axis=0)
+            expected_variance = 0.99 * expected_variance + 0.01 * row_variance
+    np.testing.assert_allclose(norm.moving_variance, expected_variance, rtol=1e-5)
+
+
+def test_each_row_draws_its_own_random_numbers():
+    keras.utils.set_random_seed(8)
+    inputs = keras.Input((64,))
+    model = keras.Model(inputs, keras.layers.Dropout(0.5)(inputs))
+    rows = MeshRows.of_device_mesh(device_mesh(2, 2), "batch")
+
+    @tf.function
+    def dropped(batch):
+        return call_by_rows(
+            model.call, rows, (batch,), {"training": True}, lambda parts: tf.concat(parts, 0), model
+        )
+
+    outputs = dropped(tf.ones((4, 64))).numpy()
+    assert set(np.unique(outputs)) == {0.0, 2.0}
+    # Row 1 starts from the seed state row 0 left: its masks differ from row 0's.
+    assert not np.array_equal(outputs[:2], outputs[2:])
 
 
 def test_shard_a_built_model_over_a_batch_by_model_mesh_predicts_and_trains_as_one_device():

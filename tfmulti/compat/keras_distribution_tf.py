@@ -133,7 +133,7 @@ def _calls_split_by_rows(model: keras.layers.Layer, rows):
     call = model.call
 
     def call_split_by_rows(*args, **kwargs):
-        return call_by_rows(call, rows, args, kwargs, _join_rows)
+        return call_by_rows(call, rows, args, kwargs, _join_rows, model)
 
     object.__setattr__(model, "call", call_split_by_rows)
     try:

@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmulti.parallel.mesh_layout import mesh_device_names
+from tfmulti.parallel.row_state import RowState
 
 _ROWS_ATTRIBUTE = "_tfmulti_mesh_rows"
 _ACTIVE = threading.local()
@@ -101,7 +102,8 @@ def _is_batched(value) -> bool:
 
 
 def _row_slices(args, kwargs, num_rows: int) -> list[tuple]:
-    """`(args, kwargs)` with every batched tensor split into `num_rows` consecutive parts."""
+    """`(args, kwargs, share)` for each of `num_rows` consecutive parts of every batched
+    tensor; `share` is the part's fraction of the batch (a float32 tensor)."""
     batched = [value for value in tf.nest.flatten((args, kwargs)) if _is_batched(value)]
     if not batched:
         raise ValueError(
@@ -112,26 +114,30 @@ def _row_slices(args, kwargs, num_rows: int) -> list[tuple]:
     parts = []
     for row in range(num_rows):
         start, stop = row * batch_size // num_rows, (row + 1) * batch_size // num_rows
-        parts.append(
-            tf.nest.map_structure(
-                lambda value, start=start, stop=stop: (
-                    value[start:stop] if _is_batched(value) else value
-                ),
-                (args, kwargs),
-            )
+        row_args, row_kwargs = tf.nest.map_structure(
+            lambda value, start=start, stop=stop: (
+                value[start:stop] if _is_batched(value) else value
+            ),
+            (args, kwargs),
         )
+        share = tf.cast(stop - start, tf.float32) / tf.cast(batch_size, tf.float32)
+        parts.append((row_args, row_kwargs, share))
     return parts
 
 
-def call_by_rows(call: Callable, rows: MeshRows, args, kwargs, join: Callable):
-    """`call(*args, **kwargs)` with the batch split over the rows, outputs joined by `join`.
+def call_by_rows(call: Callable, rows: MeshRows, args, kwargs, join: Callable, layer):
+    """`layer`'s `call(*args, **kwargs)` with the batch split over the rows, outputs joined
+    by `join`.
 
     Row r's part runs under `rows.on_row(r)` with its unsharded layers on `rows.home(r)`;
-    `join(outputs_of_each_row)` runs on the first row's home device.
+    `join(outputs_of_each_row)` runs on the first row's home device. The state the rows
+    change (moving statistics, seeds, added losses) is applied once, combined
+    (`row_state.RowState`).
     """
-    outputs = []
-    for row, (row_args, row_kwargs) in enumerate(_row_slices(args, kwargs, rows.num_rows)):
-        with tf.device(rows.home(row)), rows.on_row(row):
+    outputs, state = [], RowState(layer)
+    for row, (row_args, row_kwargs, share) in enumerate(_row_slices(args, kwargs, rows.num_rows)):
+        with tf.device(rows.home(row)), rows.on_row(row), state.row(share):
             outputs.append(call(*row_args, **row_kwargs))
     with tf.device(rows.home(0)):
+        state.apply()
         return join(outputs)
