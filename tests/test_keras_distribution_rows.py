@@ -259,3 +259,47 @@ def test_a_mesh_with_two_model_axes_is_refused_in_one_line_naming_it():
         with pytest.raises(ValueError, match=r"Received: mesh shape=\(2, 2, 2\)") as error:
             two_dense()
     assert "\n" not in str(error.value) and "'expert'" in str(error.value)
+
+
+class PartsTrainStep(keras.Model):
+    """A model whose own train_step calls its inner network, never the model itself."""
+
+    def __init__(self, network, **kwargs):
+        super().__init__(**kwargs)
+        self.network = network
+
+    def call(self, inputs, training=None):
+        return self.network(inputs, training=training)
+
+    def train_step(self, data):
+        inputs, targets = data
+        with tf.GradientTape() as tape:
+            predictions = self.network(inputs, training=True)
+            loss = self.compute_loss(x=inputs, y=targets, y_pred=predictions)
+        variables = self.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, variables), variables)
+        return {"loss": loss}
+
+
+def parts_train_step_model():
+    model = PartsTrainStep(two_dense())
+    model.build((None, 6))
+    return model
+
+
+def test_a_train_step_that_never_calls_the_model_warns_once_and_trains_on_the_first_row():
+    reference = parts_train_step_model()
+    fit_ten_rows(reference)
+    distribution = keras.distribution.ModelParallel(
+        layout_map=column_then_row_layout(device_mesh(2, 2))
+    )
+    with distribution.scope():
+        model = parts_train_step_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit_ten_rows(model)
+    messages = [str(w.message) for w in caught if w.category is LayoutNotHonouredWarning]
+    assert len(messages) == 1, messages
+    assert "train step never calls the model itself" in messages[0]
+    assert "first of the mesh's 2 rows" in messages[0]
+    assert_same_weights(reference, model, 1e-5)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 
 import keras
@@ -126,18 +127,21 @@ def _join_rows(outputs: list):
 
 @contextlib.contextmanager
 def _calls_split_by_rows(model: keras.layers.Layer, rows):
-    """While open, calling `model` splits the batch over the mesh's rows."""
+    """While open, calling `model` splits the batch over the mesh's rows; yields a list
+    that gets one entry per such call."""
     from tfmulti.parallel.mesh_rows import call_by_rows
 
     own_call = model.__dict__.get("call")
     call = model.call
+    calls = []
 
     def call_split_by_rows(*args, **kwargs):
+        calls.append(rows.num_rows)
         return call_by_rows(call, rows, args, kwargs, _join_rows, model)
 
     object.__setattr__(model, "call", call_split_by_rows)
     try:
-        yield
+        yield calls
     finally:
         if own_call is None:
             del model.__dict__["call"]
@@ -165,9 +169,16 @@ def _steps_split_by_mesh_rows(attribute: str) -> Callable:
             if rows is None:
                 return returned
 
+            traced = []  # Keras' step function traces at its first call
+
             def step_split_by_rows(*args, **kwargs):
-                with _calls_split_by_rows(self, rows):
-                    return function(*args, **kwargs)
+                with _calls_split_by_rows(self, rows) as calls:
+                    outputs = function(*args, **kwargs)
+                if not traced:
+                    traced.append(True)
+                    if not calls:
+                        _warn_step_not_split(self, attribute, rows.num_rows)
+                return outputs
 
             setattr(step_split_by_rows, _SPLIT_BY_ROWS, True)
             setattr(self, attribute, step_split_by_rows)
@@ -176,6 +187,20 @@ def _steps_split_by_mesh_rows(attribute: str) -> Callable:
         return make_function
 
     return patch
+
+
+def _warn_step_not_split(model, attribute: str, num_rows: int) -> None:
+    from tfmulti.parallel.mesh_layout import LayoutNotHonouredWarning
+
+    step = attribute.removesuffix("_function")
+    warnings.warn(
+        f"{model.name}'s {step} step never calls the model itself (a custom {step}_step "
+        f"calling its parts?), so each batch runs whole on the first of the mesh's "
+        f"{num_rows} rows instead of being split over them; call the model (self(x)) in "
+        "the step to split it.",
+        LayoutNotHonouredWarning,
+        stacklevel=3,
+    )
 
 
 def _checked_patch(name: str, owner, attribute: str, make_replacement: Callable) -> Fix:
