@@ -56,7 +56,8 @@ def test_fixes_are_active_whichever_import_comes_first(code):
     )
     assert active == (
         "['symbolic_build_from_one_replica', 'reduce_metrics_across_replicas_only', "
-        "'non_chief_callbacks_write_to_scratch', 'merge_repeated_sparse_gradient_rows'] True"
+        "'non_chief_callbacks_write_to_scratch', 'merge_repeated_sparse_gradient_rows', "
+        "'mean_aggregated_layer_state_under_strategies'] True"
     )
 
 

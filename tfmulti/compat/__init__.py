@@ -30,18 +30,29 @@ def install() -> list[str]:
         The names of the active multi-worker fixes; empty for a Keras that needs none
         or a backend other than TensorFlow.
     """
-    from tfmulti.compat import keras_distribution_tf, keras_multi_worker, keras_sparse_gradients
+    from tfmulti.compat import (
+        keras_distribution_tf,
+        keras_multi_worker,
+        keras_replica_state,
+        keras_sparse_gradients,
+    )
 
     keras_distribution_tf.apply_patches()
-    return keras_multi_worker.apply_fixes() + keras_sparse_gradients.apply_fixes()
+    return (
+        keras_multi_worker.apply_fixes()
+        + keras_sparse_gradients.apply_fixes()
+        + keras_replica_state.apply_fixes()
+    )
 
 
 def active_fixes() -> list[str]:
     """Names of the fixes applied so far, without importing Keras."""
     module = sys.modules.get("tfmulti.compat.keras_multi_worker")
     names = module.active_fix_names() if module is not None else []
-    sparse = sys.modules.get("tfmulti.compat.keras_sparse_gradients")
-    return names + (sparse.active_fix_names() if sparse is not None else [])
+    for other in ("keras_sparse_gradients", "keras_replica_state"):
+        module = sys.modules.get(f"tfmulti.compat.{other}")
+        names += module.active_fix_names() if module is not None else []
+    return names
 
 
 def install_when_keras_loads() -> None:

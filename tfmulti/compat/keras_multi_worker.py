@@ -137,16 +137,6 @@ FIXES = (
     ),
 )
 
-_ORIGINALS: dict[str, Callable] = {}
-
-
-def apply_fixes() -> list[str]:
-    """Applies every fix the installed Keras needs (idempotent) and returns their names."""
-    if keras.backend.backend() != "tensorflow":
-        return []
-    apply_each(FIXES, _ORIGINALS)
-    return active_fix_names()
-
 
 def apply_each(fixes: tuple[Fix, ...], originals: dict[str, Callable]) -> None:
     """Applies each of `fixes` the installed Keras takes, once, keeping originals by name."""
@@ -159,15 +149,48 @@ def apply_each(fixes: tuple[Fix, ...], originals: dict[str, Callable]) -> None:
         setattr(fix.owner, fix.attribute, fix.make_replacement(original))
 
 
+class FixSet:
+    """One module's fixes: applied on the TensorFlow backend, each once, to the Keras
+    versions that need it, remembering the functions they replaced."""
+
+    def __init__(self, fixes: tuple[Fix, ...]):
+        self.fixes = fixes
+        self._originals: dict[str, Callable] = {}
+
+    def apply(self) -> list[str]:
+        """Applies the fixes the installed Keras needs (idempotent); returns their names."""
+        if keras.backend.backend() != "tensorflow":
+            return []
+        apply_each(self.fixes, self._originals)
+        return self.active_names()
+
+    def active_names(self) -> list[str]:
+        """Names of the fixes currently applied."""
+        return [fix.name for fix in self.fixes if fix.name in self._originals]
+
+    def original(self, name: str) -> Callable:
+        """The unpatched Keras function behind fix `name` (to check whether upstream still
+        needs it)."""
+        for fix in self.fixes:
+            if fix.name == name:
+                return self._originals.get(name, getattr(fix.owner, fix.attribute))
+        known = ", ".join(fix.name for fix in self.fixes)
+        raise KeyError(f"No fix named {name!r}. Known fixes: {known}")
+
+
+_FIXES = FixSet(FIXES)
+
+
+def apply_fixes() -> list[str]:
+    """Applies every fix the installed Keras needs (idempotent) and returns their names."""
+    return _FIXES.apply()
+
+
 def active_fix_names() -> list[str]:
     """Names of the fixes currently applied."""
-    return [fix.name for fix in FIXES if fix.name in _ORIGINALS]
+    return _FIXES.active_names()
 
 
 def original_function(name: str) -> Callable:
     """The unpatched Keras function behind fix `name` (to check whether upstream still needs it)."""
-    for fix in FIXES:
-        if fix.name == name:
-            return _ORIGINALS.get(name, getattr(fix.owner, fix.attribute))
-    known = ", ".join(fix.name for fix in FIXES)
-    raise KeyError(f"No fix named {name!r}. Known fixes: {known}")
+    return _FIXES.original(name)

@@ -21,11 +21,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-import keras
 import tensorflow as tf
 from keras.src.optimizers import base_optimizer
 
-from tfmulti.compat.keras_multi_worker import Fix, apply_each
+from tfmulti.compat.keras_multi_worker import Fix, FixSet
 
 
 def merge_repeated_rows(gradient):
@@ -59,22 +58,19 @@ FIXES = (
     ),
 )
 
-_ORIGINALS: dict[str, Callable] = {}
+_FIXES = FixSet(FIXES)
 
 
 def apply_fixes() -> list[str]:
     """Applies the fix where the installed Keras needs it (idempotent); returns its name."""
-    if keras.backend.backend() != "tensorflow":
-        return []
-    apply_each(FIXES, _ORIGINALS)
-    return active_fix_names()
+    return _FIXES.apply()
 
 
 def active_fix_names() -> list[str]:
     """Names of the fixes of this module currently applied."""
-    return [fix.name for fix in FIXES if fix.name in _ORIGINALS]
+    return _FIXES.active_names()
 
 
 def original_apply() -> Callable:
     """Keras' own `BaseOptimizer.apply`, to check whether upstream still needs the fix."""
-    return _ORIGINALS.get(FIXES[0].name, base_optimizer.BaseOptimizer.apply)
+    return _FIXES.original(FIXES[0].name)
