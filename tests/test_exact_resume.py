@@ -29,7 +29,8 @@ RUN = (
 
 STRATEGIES = {
     "one_device": ("--strategy=one_device",),
-    "mirrored": ("--strategy=mirrored", "--virtual_devices=2"),
+    # A ResNet's BatchNorm moving statistics: each replica's copy must resume where it was.
+    "mirrored_batchnorm": ("--strategy=mirrored", "--virtual_devices=2", "--model=resnet"),
     "pipeline": (
         "--strategy=pipeline",
         "--virtual_devices=2",
@@ -55,7 +56,7 @@ STRATEGIES = {
     ),
 }
 # Each strategy is stopped once, by SIGKILL or by SIGTERM (both resume from a step checkpoint).
-KILLED = ["one_device", "mirrored", "pipeline", "keras_model_parallel"]
+KILLED = ["one_device", "mirrored_batchnorm", "pipeline", "keras_model_parallel"]
 PREEMPTED = ["pipeline", "model_parallel", "hybrid"]
 
 
