@@ -29,11 +29,6 @@ from keras.src.layers.layer import Layer
 from tfmulti.compat.keras_multi_worker import Fix, FixSet
 
 
-def _float_dtype(layer, dtype) -> bool:
-    name = keras.backend.standardize_dtype(dtype or layer.variable_dtype)
-    return name.startswith(("float", "bfloat"))
-
-
 def _mean_aggregation_under_strategies(original: Callable) -> Callable:
     signature = inspect.signature(original)
 
@@ -46,7 +41,7 @@ def _mean_aggregation_under_strategies(original: Callable) -> Callable:
             tf.distribute.has_strategy()
             and not arguments["trainable"]
             and arguments["aggregation"] == "none"
-            and _float_dtype(self, arguments["dtype"])
+            and keras.backend.is_float_dtype(arguments["dtype"] or self.variable_dtype)
         ):
             arguments["aggregation"] = "mean"
         return original(*bound.args, **bound.kwargs)

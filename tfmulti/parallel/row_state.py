@@ -53,7 +53,7 @@ class RowState:
                 "add_weight so tfmulti can combine the rows' updates"
             )
         for key, value in updates.items():
-            if not self._variables[key].dtype.startswith("float"):
+            if not keras.backend.is_float_dtype(self._variables[key].dtype):
                 self._carried[key] = value
         self._rows.append((share, updates, list(scope.losses)))
 
