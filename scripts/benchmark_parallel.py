@@ -336,7 +336,12 @@ def _tensor_group_bytes(costs, layout) -> dict:
     from models import registry
     from models.transformer import TransformerBlock
     from tfmulti.data import load_source
-    from tfmulti.parallel import measure_communication, resolve_shard_devices
+    from tfmulti.parallel import (
+        TENSOR_REDUCTIONS,
+        measure_communication,
+        resolve_shard_devices,
+        tensor_reduction_scope,
+    )
     from tfmulti.parallel.communication import received_bytes, sent_bytes, step_graph
     from tfmulti.parallel.shard_devices import device_key
     from tfmulti.planner import tensor_group_bytes
@@ -346,7 +351,7 @@ def _tensor_group_bytes(costs, layout) -> dict:
     microbatch = FLAGS.mesh3d_global_batch // mesh.data // layout.num_microbatches
     all_devices = resolve_shard_devices(MESH3D_DEVICES)
     edges = (0, *layout.boundaries, len(costs.blocks))
-    measured = analytic = 0
+    measured, analytic = dict.fromkeys(TENSOR_REDUCTIONS, 0), 0
     for stage, (start, end) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
         group = all_devices[stage * mesh.tensor : (stage + 1) * mesh.tensor]
         blocks = registry.build_blocks(
@@ -365,8 +370,10 @@ def _tensor_group_bytes(costs, layout) -> dict:
         with tf.device(group[0]):
             for block in split:
                 block.build(spec.shape)
-        graph = step_graph(split, spec, group[0])
-        measured += sum(received_bytes(graph, group[0]).values())
+        for reduction in TENSOR_REDUCTIONS:
+            with tensor_reduction_scope(reduction):
+                graph = step_graph(split, spec, group[0])
+            measured[reduction] += sum(received_bytes(graph, group[0]).values())
         for index, block in enumerate(split):
             moved = block.communication_bytes(
                 spec.shape, enters=index == 0, exits=index == len(split) - 1
@@ -393,7 +400,7 @@ def _tensor_group_bytes(costs, layout) -> dict:
     per_step = mesh.data * layout.num_microbatches
     return {
         "split_blocks_bytes_per_step": {
-            "measured": per_step * measured,
+            **{f"measured_{name}": per_step * moved for name, moved in measured.items()},
             "analytic": per_step * analytic,
             "planner": tensor_group_bytes(costs, layout, FLAGS.mesh3d_global_batch),
         },

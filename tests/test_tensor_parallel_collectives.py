@@ -24,6 +24,13 @@ from tfmulti.parallel import (
     tensor_reduction_scope,
     unsplit_weights,
 )
+from tfmulti.parallel.communication import (
+    all_reduce_bytes,
+    collective_bytes,
+    received_bytes,
+    sent_bytes,
+    tensor_bytes,
+)
 from tfmulti.parallel.shard_devices import device_key
 from tfmulti.pipeline.runtime.optimizer_placement import place_optimizer_on_variable_devices
 
@@ -54,6 +61,55 @@ def test_the_reduction_names_are_those_the_command_line_offers():
         with tensor_reduction_scope("nccl"):
             pass
     assert tensor_reduction() == "ring"
+
+
+def test_a_collective_all_reduce_counts_each_device_its_ring_share_where_placed_ops_cannot_chunk():
+    num_devices = 4
+    devices = resolve_shard_devices(num_devices)
+    shape = (3, 2)  # a last axis shorter than K: the placed ops sum on every device
+
+    def traced(sum_on_every_device):
+        @tf.function
+        def step():
+            inputs = []
+            for index, device in enumerate(devices):
+                with tf.device(device):
+                    inputs.append(tf.fill(shape, float(index)))
+            # Nothing returned: the outputs would be copied to the default device.
+            sum_on_every_device(inputs, devices)
+
+        return step.get_concrete_function().graph
+
+    collective = traced(collective_all_reduce.sum_on_every_device)
+    placed = traced(replicated.sum_on_every_device)
+    whole = tensor_bytes(shape, "float32")
+    share = 2 * (num_devices - 1) * whole // num_devices
+    keys = [device_key(device) for device in devices]
+    assert collective_bytes(collective, devices[0]) == dict.fromkeys(keys, share)
+    # Only the runtime moves the data: received and sent are the ring share and nothing
+    # else (the ties between the devices' sums are empty slices).
+    assert received_bytes(collective, devices[0]) == dict.fromkeys(keys, share)
+    assert sent_bytes(collective, devices[0]) == dict.fromkeys(keys, share)
+    assert sum(received_bytes(collective, devices[0]).values()) == 2 * (num_devices - 1) * whole
+    # The placed ops copy every tensor to every device: K(K-1) x S in all.
+    assert collective_bytes(placed, devices[0]) == {}
+    assert sum(received_bytes(placed, devices[0]).values()) == all_reduce_bytes(
+        shape, "float32", num_devices
+    )
+    assert (
+        all_reduce_bytes(shape, "float32", num_devices) == num_devices * (num_devices - 1) * whole
+    )
+
+
+def test_counting_a_collective_of_unknown_shape_is_refused_with_the_op_named():
+    devices = resolve_shard_devices(2)
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)] * 2)
+    def step(first, second):
+        return collective_all_reduce.sum_on_every_device([first, second], devices)
+
+    with pytest.raises(ValueError, match="needs its group size and tensor shape"):
+        collective_bytes(step.get_concrete_function().graph, devices[0])
 
 
 @pytest.mark.parametrize("num_devices", [2, 4])

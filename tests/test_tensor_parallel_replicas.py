@@ -12,7 +12,13 @@ from models.transformer import TransformerBlock
 from tfmulti.data import load_source
 from tfmulti.mesh import DeviceMesh
 from tfmulti.parallel import resolve_shard_devices, tensor_reduction_scope, unsplit_weights
-from tfmulti.parallel.communication import received_bytes, sent_bytes, step_graph, tensor_bytes
+from tfmulti.parallel.communication import (
+    collective_bytes,
+    received_bytes,
+    sent_bytes,
+    step_graph,
+    tensor_bytes,
+)
 from tfmulti.parallel.replica_handoff import replicas_of
 from tfmulti.parallel.shard_devices import device_key
 from tfmulti.planner import Hardware, blocks_at, score_layout, tensor_group_bytes
@@ -76,10 +82,11 @@ def test_no_device_sends_or_receives_more_than_its_all_reduce_share_plus_one_cop
 
 
 @pytest.mark.parametrize("num_blocks", [1, 2])
-def test_collective_reductions_are_one_op_per_device_and_leave_no_partial_sums_in_the_graph(
+def test_collective_reductions_are_one_op_per_device_and_move_what_the_ring_of_placed_ops_moves(
     num_blocks,
 ):
-    devices = resolve_shard_devices(4)
+    num_devices = 4
+    devices = resolve_shard_devices(num_devices)
     blocks = _blocks(num_blocks, devices)
     with tensor_reduction_scope("collective"):
         graph = step_graph(blocks, tf.TensorSpec(SHAPE), devices[0])
@@ -92,11 +99,22 @@ def test_collective_reductions_are_one_op_per_device_and_leave_no_partial_sums_i
     received, sent = _per_device(graph, devices)
     activations = tensor_bytes(SHAPE, "float32")
     weights = num_blocks * blocks[0].replicated_weight_bytes()
-    # Left in the graph: the stack's input along the chain 0 -> 1 -> 2 -> 3 forward and its
-    # output gradient backward, and the norms' and biases' values from device 0; no device
-    # sends a reduction's partial sums to another (the runtime moves them).
-    assert received == [0] + [2 * activations + weights] * 3
-    assert sent == [2 * activations + 3 * weights, 2 * activations, 2 * activations, 0]
+    # The runtime moves each reduction's data: every device's ring share, 2(K-1)/K of
+    # the activations, per reduction.
+    reductions = 4 * num_blocks * (2 * (num_devices - 1) * activations // num_devices)
+    in_collectives = collective_bytes(graph, devices[0])
+    assert [in_collectives.get(device_key(d), 0) for d in devices] == [reductions] * num_devices
+    # Left on graph edges: the stack's input along the chain 0 -> 1 -> 2 -> 3 forward and
+    # its output gradient backward, and the norms' and biases' values from device 0; no
+    # device sends a reduction's partial sums to another.
+    edges_received = [total - reductions for total in received]
+    edges_sent = [total - reductions for total in sent]
+    assert edges_received == [0] + [2 * activations + weights] * 3
+    assert edges_sent == [2 * activations + 3 * weights, 2 * activations, 2 * activations, 0]
+    # Device by device, the collective moves what the placed ring does.
+    with tensor_reduction_scope("ring"):
+        ring_graph = step_graph(blocks, tf.TensorSpec(SHAPE), devices[0])
+    assert _per_device(ring_graph, devices) == (received, sent)
 
 
 @pytest.mark.parametrize("reduction", ["ring", "collective"])

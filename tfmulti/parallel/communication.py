@@ -4,7 +4,10 @@ The measured count reads a traced graph: every tensor an op reads from another d
 one transfer of `num_elements * dtype.size` bytes, counted once per (tensor, destination
 device), as TensorFlow's graph partitioner sends it once. Constants are not counted
 (each device gets its own) nor are resource handles (reading a variable runs on the
-variable's device); a captured tensor starts on its value's device.
+variable's device); a captured tensor starts on its value's device. A collective
+all-reduce (`CollectiveReduceV2`) moves its data in the runtime, not along graph edges:
+each of its ops counts its device's ring share, 2(K-1)/K of the tensor sent and as much
+received, the traffic of the ring (CPUs) and of NCCL's ring (GPUs) alike.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ def tensor_bytes(shape: Sequence[int], dtype) -> int:
 
 
 def cross_device_bytes(graph: tf.Graph, unplaced_device: str) -> int:
-    """Returns the bytes of the tensors that ops in `graph` read from another device.
+    """Returns the bytes of the tensors that ops in `graph` read from another device,
+    collective all-reduces' ring traffic included.
 
     Args:
         graph: a traced graph, e.g. `concrete_function.graph`; crossing tensors need
@@ -48,7 +52,8 @@ def cross_device_bytes(graph: tf.Graph, unplaced_device: str) -> int:
 
 
 def received_bytes(graph: tf.Graph, unplaced_device: str) -> dict[tuple[str, int], int]:
-    """Returns the bytes each device receives from other devices in `graph`, by `device_key`.
+    """Returns the bytes each device receives from other devices in `graph`, by `device_key`,
+    collective all-reduces' ring traffic included.
 
     Args are those of `cross_device_bytes`; devices that receive nothing are left out.
 
@@ -56,26 +61,53 @@ def received_bytes(graph: tf.Graph, unplaced_device: str) -> dict[tuple[str, int
         >>> received_bytes(step.get_concrete_function(spec).graph, "/CPU:0")
         {('CPU', 0): 1536, ('CPU', 1): 768}
     """
-    received = {}
+    received = collective_bytes(graph, unplaced_device)
     for _, destination, num_bytes in transfers(graph, unplaced_device):
         received[destination] = received.get(destination, 0) + num_bytes
     return received
 
 
 def sent_bytes(graph: tf.Graph, unplaced_device: str) -> dict[tuple[str, int], int]:
-    """Returns the bytes each device sends to other devices in `graph`, by `device_key`.
+    """Returns the bytes each device sends to other devices in `graph`, by `device_key`,
+    collective all-reduces' ring traffic included.
 
     Args are those of `cross_device_bytes`; devices that send nothing are left out.
     """
-    sent = {}
+    sent = collective_bytes(graph, unplaced_device)
     for source, _, num_bytes in transfers(graph, unplaced_device):
         sent[source] = sent.get(source, 0) + num_bytes
     return sent
 
 
+def collective_bytes(graph: tf.Graph, unplaced_device: str) -> dict[tuple[str, int], int]:
+    """Returns the bytes each device sends (and as many it receives) in the collective
+    all-reduces of `graph`, by `device_key`; devices with none are left out.
+
+    Each `CollectiveReduceV2` op is one device's part of a K-device all-reduce of a
+    tensor of S bytes; the ring moves 2(K-1)/K x S out of and into that device (rounded
+    down where S does not divide by K). Its data moves in the runtime, so `transfers`,
+    which follows graph edges, does not see it. Args are those of `cross_device_bytes`.
+    """
+    moved = {}
+    for op in graph.get_operations():
+        if op.type != "CollectiveReduceV2":
+            continue
+        tensor, group_size = op.inputs[0], tf.get_static_value(op.inputs[1])
+        if group_size is None or not tensor.shape.is_fully_defined():
+            raise ValueError(
+                "Counting a collective's bytes needs its group size and tensor shape when "
+                f"traced. Received: {op.name} of shape {tensor.shape}, group size {group_size}"
+            )
+        share = 2 * (int(group_size) - 1) * tensor_bytes(tensor.shape, tensor.dtype)
+        device = device_key(op.device or unplaced_device)
+        moved[device] = moved.get(device, 0) + share // int(group_size)
+    return moved
+
+
 def transfers(graph: tf.Graph, unplaced_device: str) -> list[tuple[tuple, tuple, int]]:
     """Returns (source, destination, bytes) of each tensor an op in `graph` reads from
-    another device, once per tensor and destination; devices by `device_key`.
+    another device, once per tensor and destination; devices by `device_key`. Collectives'
+    own traffic is not a graph edge: `collective_bytes` counts it.
 
     Args are those of `cross_device_bytes`.
     """
