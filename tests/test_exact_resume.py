@@ -47,6 +47,18 @@ STRATEGIES = {
         "--virtual_devices=4",
         "--mesh=data=2,tensor=2",
     ),
+    # A 3D mesh: tensor groups inside pipeline stages inside data replicas, each with its
+    # own weights' shards and Adam slots; the loop's micro-batch state resumes too.
+    "hybrid_3d": (
+        "--strategy=hybrid",
+        "--mesh=data=2,pipe=2,tensor=2",
+        "--virtual_devices=8",
+        "--microbatches=2",
+        "--schedule=1f1b",
+        "--model=transformer",
+        "--model_option=num_layers=2",
+        "--dataset=tokens",
+    ),
     "hybrid": (
         "--strategy=hybrid",
         "--mesh=data=2,pipe=2",
@@ -56,7 +68,7 @@ STRATEGIES = {
     ),
 }
 # Each strategy is stopped once, by SIGKILL or by SIGTERM (both resume from a step checkpoint).
-KILLED = ["one_device", "mirrored_batchnorm", "pipeline", "keras_model_parallel"]
+KILLED = ["one_device", "mirrored_batchnorm", "pipeline", "keras_model_parallel", "hybrid_3d"]
 PREEMPTED = ["pipeline", "model_parallel", "hybrid"]
 
 
