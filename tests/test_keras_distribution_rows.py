@@ -262,11 +262,13 @@ def test_a_mesh_with_two_model_axes_is_refused_in_one_line_naming_it():
 
 
 class PartsTrainStep(keras.Model):
-    """A model whose own train_step calls its inner network, never the model itself."""
+    """A model whose own train_step calls its inner network, never the model itself, or
+    (`deeper`) the network's own layers one by one."""
 
-    def __init__(self, network, **kwargs):
+    def __init__(self, network, deeper=False, **kwargs):
         super().__init__(**kwargs)
         self.network = network
+        self.deeper = deeper
 
     def call(self, inputs, training=None):
         return self.network(inputs, training=training)
@@ -274,32 +276,65 @@ class PartsTrainStep(keras.Model):
     def train_step(self, data):
         inputs, targets = data
         with tf.GradientTape() as tape:
-            predictions = self.network(inputs, training=True)
+            if self.deeper:
+                predictions = inputs
+                for name in ("up", "down", "probe"):
+                    predictions = self.network.get_layer(name)(predictions)
+            else:
+                predictions = self.network(inputs, training=True)
             loss = self.compute_loss(x=inputs, y=targets, y_pred=predictions)
         variables = self.trainable_variables
         self.optimizer.apply(tape.gradient(loss, variables), variables)
         return {"loss": loss}
 
 
-def parts_train_step_model():
-    model = PartsTrainStep(two_dense())
+def parts_train_step_model(deeper=False):
+    model = PartsTrainStep(two_dense(), deeper=deeper)
     model.build((None, 6))
     return model
 
 
-def test_a_train_step_that_never_calls_the_model_warns_once_and_trains_on_the_first_row():
-    reference = parts_train_step_model()
-    fit_ten_rows(reference)
+def _fit_on_mesh_recording_warnings(deeper: bool):
     distribution = keras.distribution.ModelParallel(
         layout_map=column_then_row_layout(device_mesh(2, 2))
     )
     with distribution.scope():
-        model = parts_train_step_model()
+        model = parts_train_step_model(deeper)
+    DeviceProbe.seen_devices.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit_ten_rows(model)
-    messages = [str(w.message) for w in caught if w.category is LayoutNotHonouredWarning]
+    return model, [str(w.message) for w in caught if w.category is LayoutNotHonouredWarning]
+
+
+def test_a_train_step_calling_the_models_own_layers_splits_each_call_over_the_rows():
+    reference = parts_train_step_model()
+    fit_ten_rows(reference)
+    model, messages = _fit_on_mesh_recording_warnings(deeper=False)
+    assert messages == []
+    # The network's training calls ran on both rows (devices 0 and 2), as the model's would.
+    assert set(DeviceProbe.seen_devices) == {0, 2}
+    assert_same_weights(reference, model, 1e-5)
+
+
+def test_a_train_step_calling_only_deeper_layers_warns_once_and_trains_on_the_first_row():
+    reference = parts_train_step_model(deeper=True)
+    fit_ten_rows(reference)
+    model, messages = _fit_on_mesh_recording_warnings(deeper=True)
     assert len(messages) == 1, messages
-    assert "train step never calls the model itself" in messages[0]
+    assert "train step never calls the model itself or one of its own layers" in messages[0]
     assert "first of the mesh's 2 rows" in messages[0]
     assert_same_weights(reference, model, 1e-5)
+
+
+def test_a_layer_is_split_only_when_its_tensors_share_one_batch_axis():
+    from tfmulti.compat.keras_distribution_tf import _one_batch_axis
+
+    batch = tf.TensorSpec((None, 6))
+    assert _one_batch_axis((tf.zeros((4, 6)), tf.zeros((4,))), {"scale": 2.0})
+    # Position ids (or a table) beside the batch: its first axis is not the batch's.
+    assert not _one_batch_axis((tf.zeros((4, 6)),), {"positions": tf.range(6)})
+    with tf.Graph().as_default():
+        unknown = tf.compat.v1.placeholder(batch.dtype, batch.shape)
+        assert _one_batch_axis((unknown, unknown), {})
+        assert not _one_batch_axis((unknown, tf.zeros((4,))), {})

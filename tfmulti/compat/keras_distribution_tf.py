@@ -127,26 +127,56 @@ def _join_rows(outputs: list):
 
 @contextlib.contextmanager
 def _calls_split_by_rows(model: keras.layers.Layer, rows):
-    """While open, calling `model` splits the batch over the mesh's rows; yields a list
-    that gets an entry at each such call."""
+    """While open, calling `model`, or one of its own layers outside the model's call (a
+    custom step calling the model's parts), splits the batch over the mesh's rows; yields
+    a list that gets the called layer at each such call.
+
+    A part's call is split only when every tensor it gets with a batch axis has the same
+    first dimension (so a table or position ids passed beside the batch are not cut); a
+    layer called within a split call runs within its row.
+    """
     from tfmulti.parallel.mesh_rows import call_by_rows
 
-    own_call = model.__dict__.get("call")
-    call = model.call
-    calls = []
+    calls, within_a_row = [], [False]
 
-    def call_split_by_rows(*args, **kwargs):
-        calls.append(True)
-        return call_by_rows(call, rows, args, kwargs, _join_rows, model)
+    def split_by_rows(layer, call, check_batch):
+        def call_split_by_rows(*args, **kwargs):
+            if within_a_row[0] or (check_batch and not _one_batch_axis(args, kwargs)):
+                return call(*args, **kwargs)
+            calls.append(layer)
+            within_a_row[0] = True
+            try:
+                return call_by_rows(call, rows, args, kwargs, _join_rows, layer)
+            finally:
+                within_a_row[0] = False
 
-    object.__setattr__(model, "call", call_split_by_rows)
+        return call_split_by_rows
+
+    parts = [(model, False)] + [
+        (layer, True) for layer in model._flatten_layers(include_self=False, recursive=False)
+    ]
+    own_calls = [(layer, layer.__dict__.get("call")) for layer, _ in parts]
+    for layer, check_batch in parts:
+        object.__setattr__(layer, "call", split_by_rows(layer, layer.call, check_batch))
     try:
         yield calls
     finally:
-        if own_call is None:
-            del model.__dict__["call"]
-        else:
-            object.__setattr__(model, "call", own_call)
+        for layer, own_call in own_calls:
+            if own_call is None:
+                del layer.__dict__["call"]
+            else:
+                object.__setattr__(layer, "call", own_call)
+
+
+def _one_batch_axis(args, kwargs) -> bool:
+    """Whether the call's tensors of rank >= 1 all have one first dimension (unknown
+    counts as one only with another unknown)."""
+    firsts = {
+        value.shape[0]
+        for value in tf.nest.flatten((args, kwargs))
+        if tf.is_tensor(value) and value.shape.rank
+    }
+    return len(firsts) == 1
 
 
 def _steps_split_by_mesh_rows(attribute: str) -> Callable:
@@ -194,10 +224,10 @@ def _warn_step_not_split(model, attribute: str, num_rows: int) -> None:
 
     step = attribute.removesuffix("_function")
     warnings.warn(
-        f"{model.name}'s {step} step never calls the model itself (a custom {step}_step "
-        f"calling its parts?), so each batch runs whole on the first of the mesh's "
-        f"{num_rows} rows instead of being split over them; call the model (self(x)) in "
-        "the step to split it.",
+        f"{model.name}'s {step} step never calls the model itself or one of its own layers "
+        f"on a batch (a custom {step}_step calling layers nested deeper?), so each batch "
+        f"runs whole on the first of the mesh's {num_rows} rows instead of being split "
+        "over them; call the model (self(x)) or its own layers in the step to split it.",
         LayoutNotHonouredWarning,
         stacklevel=3,
     )
