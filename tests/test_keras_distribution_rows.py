@@ -262,13 +262,16 @@ def test_a_mesh_with_two_model_axes_is_refused_in_one_line_naming_it():
 
 
 class PartsTrainStep(keras.Model):
-    """A model whose own train_step calls its inner network, never the model itself, or
-    (`deeper`) the network's own layers one by one."""
+    """A model whose own train_step never calls the model itself: it calls its inner
+    network (`how="network"`), the network's layers one by one (`"layers"`), or only a
+    layer of its own that takes a second tensor of another first dimension beside the
+    batch (`"unsplit"`)."""
 
-    def __init__(self, network, deeper=False, **kwargs):
+    def __init__(self, network, how="network", **kwargs):
         super().__init__(**kwargs)
         self.network = network
-        self.deeper = deeper
+        self.scaled = ScaledBy()
+        self.how = how
 
     def call(self, inputs, training=None):
         return self.network(inputs, training=training)
@@ -276,30 +279,44 @@ class PartsTrainStep(keras.Model):
     def train_step(self, data):
         inputs, targets = data
         with tf.GradientTape() as tape:
-            if self.deeper:
+            if self.how == "network":
+                predictions = self.network(inputs, training=True)
+            elif self.how == "layers":
                 predictions = inputs
-                for name in ("up", "down", "probe"):
+                for name in ("up", "down"):
                     predictions = self.network.get_layer(name)(predictions)
             else:
-                predictions = self.network(inputs, training=True)
+                predictions = self.scaled(inputs, tf.ones((1,)))
             loss = self.compute_loss(x=inputs, y=targets, y_pred=predictions)
         variables = self.trainable_variables
+        if self.how == "unsplit":
+            variables = self.scaled.trainable_variables
         self.optimizer.apply(tape.gradient(loss, variables), variables)
         return {"loss": loss}
 
 
-def parts_train_step_model(deeper=False):
-    model = PartsTrainStep(two_dense(), deeper=deeper)
+class ScaledBy(keras.layers.Layer):
+    """A (6, 4) projection of `inputs` times `scale`, recording where it runs."""
+
+    def build(self, inputs_shape, scale_shape):
+        self.kernel = self.add_weight((6, 4), initializer="glorot_uniform", name="kernel")
+
+    def call(self, inputs, scale):
+        return DeviceProbe()(keras.ops.matmul(inputs, self.kernel) * scale)
+
+
+def parts_train_step_model(how="network"):
+    model = PartsTrainStep(two_dense(), how=how)
     model.build((None, 6))
     return model
 
 
-def _fit_on_mesh_recording_warnings(deeper: bool):
+def _fit_on_mesh_recording_warnings(how: str):
     distribution = keras.distribution.ModelParallel(
         layout_map=column_then_row_layout(device_mesh(2, 2))
     )
     with distribution.scope():
-        model = parts_train_step_model(deeper)
+        model = parts_train_step_model(how)
     DeviceProbe.seen_devices.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -307,22 +324,25 @@ def _fit_on_mesh_recording_warnings(deeper: bool):
     return model, [str(w.message) for w in caught if w.category is LayoutNotHonouredWarning]
 
 
-def test_a_train_step_calling_the_models_own_layers_splits_each_call_over_the_rows():
-    reference = parts_train_step_model()
+@pytest.mark.parametrize("how", ["network", "layers"])
+def test_a_train_step_calling_the_models_layers_splits_each_call_over_the_rows(how):
+    reference = parts_train_step_model(how)
     fit_ten_rows(reference)
-    model, messages = _fit_on_mesh_recording_warnings(deeper=False)
+    model, messages = _fit_on_mesh_recording_warnings(how)
     assert messages == []
-    # The network's training calls ran on both rows (devices 0 and 2), as the model's would.
-    assert set(DeviceProbe.seen_devices) == {0, 2}
+    # The training calls ran on both rows (devices 0 and 2), as the model's would (the
+    # probe ends the network; called layer by layer, the step leaves it out).
+    if how == "network":
+        assert set(DeviceProbe.seen_devices) == {0, 2}
     assert_same_weights(reference, model, 1e-5)
 
 
-def test_a_train_step_calling_only_deeper_layers_warns_once_and_trains_on_the_first_row():
-    reference = parts_train_step_model(deeper=True)
+def test_a_train_step_whose_calls_share_no_batch_axis_warns_once_and_trains_on_the_first_row():
+    reference = parts_train_step_model("unsplit")
     fit_ten_rows(reference)
-    model, messages = _fit_on_mesh_recording_warnings(deeper=True)
+    model, messages = _fit_on_mesh_recording_warnings("unsplit")
     assert len(messages) == 1, messages
-    assert "train step never calls the model itself or one of its own layers" in messages[0]
+    assert "calls neither the model nor one of its layers on tensors that share" in messages[0]
     assert "first of the mesh's 2 rows" in messages[0]
     assert_same_weights(reference, model, 1e-5)
 

@@ -110,6 +110,7 @@ def _keep_tensor_layout(tensor, layout):
 
 
 _SPLIT_BY_ROWS = "_tfmulti_split_by_mesh_rows"
+_ROW_SPLITTER = "_tfmulti_row_splitter"  # on each layer's wrapped call: its splitter
 
 
 def _join_rows(outputs: list):
@@ -125,47 +126,65 @@ def _join_rows(outputs: list):
     return tf.nest.map_structure(join, *outputs)
 
 
-@contextlib.contextmanager
-def _calls_split_by_rows(model: keras.layers.Layer, rows):
-    """While open, calling `model`, or one of its own layers outside the model's call (a
-    custom step calling the model's parts), splits the batch over the mesh's rows; yields
-    a list that gets the called layer at each such call.
+class _RowSplitCalls:
+    """Splits the batch over the mesh's rows at the outermost call of `model`, or of any
+    layer within it (a custom step calling the model's parts), while a step runs.
 
-    A part's call is split only when every tensor it gets with a batch axis has the same
-    first dimension (so a table or position ids passed beside the batch are not cut); a
-    layer called within a split call runs within its row.
+    Each layer's `call` is wrapped once (`install`); outside `step()` the wrappers pass
+    calls through, so a step pays a flag, not a patch per layer. A part's call is split
+    only when every tensor it gets with a batch axis has the same first dimension (a
+    table or position ids passed beside the batch are not cut); a layer called within a
+    split call runs within its row.
     """
-    from tfmulti.parallel.mesh_rows import call_by_rows
 
-    calls, within_a_row = [], [False]
+    def __init__(self):
+        self.rows = None
+        self.active = False
+        self.within_a_row = False
+        self.calls = []
 
-    def split_by_rows(layer, call, check_batch):
+    @classmethod
+    def of(cls, model: keras.layers.Layer, rows) -> _RowSplitCalls:
+        """The model's splitter (made at the first call), wrapping layers added since."""
+        splitter = model.__dict__.get("_tfmulti_row_split_calls")
+        if splitter is None:
+            splitter = cls()
+            object.__setattr__(model, "_tfmulti_row_split_calls", splitter)
+        splitter.rows = rows
+        for layer in layers_within(model):
+            if getattr(layer.__dict__.get("call"), _ROW_SPLITTER, None) is not splitter:
+                wrapper = splitter._wrap(layer, layer.call, check_batch=layer is not model)
+                object.__setattr__(layer, "call", wrapper)
+        return splitter
+
+    def _wrap(self, layer, call: Callable, check_batch: bool) -> Callable:
+        from tfmulti.parallel.mesh_rows import call_by_rows
+
         def call_split_by_rows(*args, **kwargs):
-            if within_a_row[0] or (check_batch and not _one_batch_axis(args, kwargs)):
+            if (
+                not self.active
+                or self.within_a_row
+                or (check_batch and not _one_batch_axis(args, kwargs))
+            ):
                 return call(*args, **kwargs)
-            calls.append(layer)
-            within_a_row[0] = True
+            self.calls.append(layer)
+            self.within_a_row = True
             try:
-                return call_by_rows(call, rows, args, kwargs, _join_rows, layer)
+                return call_by_rows(call, self.rows, args, kwargs, _join_rows, layer)
             finally:
-                within_a_row[0] = False
+                self.within_a_row = False
 
+        setattr(call_split_by_rows, _ROW_SPLITTER, self)
         return call_split_by_rows
 
-    parts = [(model, False)] + [
-        (layer, True) for layer in model._flatten_layers(include_self=False, recursive=False)
-    ]
-    own_calls = [(layer, layer.__dict__.get("call")) for layer, _ in parts]
-    for layer, check_batch in parts:
-        object.__setattr__(layer, "call", split_by_rows(layer, layer.call, check_batch))
-    try:
-        yield calls
-    finally:
-        for layer, own_call in own_calls:
-            if own_call is None:
-                del layer.__dict__["call"]
-            else:
-                object.__setattr__(layer, "call", own_call)
+    @contextlib.contextmanager
+    def step(self):
+        """While open, calls split; yields the list of layers whose calls were split."""
+        self.active, self.calls = True, []
+        try:
+            yield self.calls
+        finally:
+            self.active = False
 
 
 def _one_batch_axis(args, kwargs) -> bool:
@@ -199,10 +218,11 @@ def _steps_split_by_mesh_rows(attribute: str) -> Callable:
             if rows is None:
                 return returned
 
+            splitter = _RowSplitCalls.of(self, rows)
             traced = []  # Keras' step function traces at its first call
 
             def step_split_by_rows(*args, **kwargs):
-                with _calls_split_by_rows(self, rows) as calls:
+                with splitter.step() as calls:
                     outputs = function(*args, **kwargs)
                 if not traced:
                     traced.append(True)
@@ -224,10 +244,11 @@ def _warn_step_not_split(model, attribute: str, num_rows: int) -> None:
 
     step = attribute.removesuffix("_function")
     warnings.warn(
-        f"{model.name}'s {step} step never calls the model itself or one of its own layers "
-        f"on a batch (a custom {step}_step calling layers nested deeper?), so each batch "
-        f"runs whole on the first of the mesh's {num_rows} rows instead of being split "
-        "over them; call the model (self(x)) or its own layers in the step to split it.",
+        f"{model.name}'s {step} step calls neither the model nor one of its layers on "
+        "tensors that share one batch axis (a custom "
+        f"{step}_step?), so each batch runs whole on the first of the mesh's {num_rows} "
+        "rows instead of being split over them; call the model (self(x)) or its layers on "
+        "the batch in the step to split it.",
         LayoutNotHonouredWarning,
         stacklevel=3,
     )
