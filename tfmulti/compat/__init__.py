@@ -20,6 +20,10 @@ import sys
 __all__ = ["active_fixes", "install", "install_when_keras_loads"]
 
 
+# The modules whose fixes `install` applies, each with `apply_fixes` and `active_fix_names`.
+_FIX_MODULES = ("keras_multi_worker", "keras_sparse_gradients", "keras_replica_state")
+
+
 def install() -> list[str]:
     """Imports Keras and applies the fixes it needs (idempotent).
 
@@ -27,30 +31,23 @@ def install() -> list[str]:
     (`keras_distribution_tf.active_patch_names()` lists those patches).
 
     Returns:
-        The names of the active multi-worker fixes; empty for a Keras that needs none
-        or a backend other than TensorFlow.
+        The names of the active fixes; empty for a Keras that needs none or a backend
+        other than TensorFlow.
     """
-    from tfmulti.compat import (
-        keras_distribution_tf,
-        keras_multi_worker,
-        keras_replica_state,
-        keras_sparse_gradients,
-    )
+    from tfmulti.compat import keras_distribution_tf
 
     keras_distribution_tf.apply_patches()
-    return (
-        keras_multi_worker.apply_fixes()
-        + keras_sparse_gradients.apply_fixes()
-        + keras_replica_state.apply_fixes()
-    )
+    names = []
+    for name in _FIX_MODULES:
+        names += importlib.import_module(f"tfmulti.compat.{name}").apply_fixes()
+    return names
 
 
 def active_fixes() -> list[str]:
     """Names of the fixes applied so far, without importing Keras."""
-    module = sys.modules.get("tfmulti.compat.keras_multi_worker")
-    names = module.active_fix_names() if module is not None else []
-    for other in ("keras_sparse_gradients", "keras_replica_state"):
-        module = sys.modules.get(f"tfmulti.compat.{other}")
+    names = []
+    for name in _FIX_MODULES:
+        module = sys.modules.get(f"tfmulti.compat.{name}")
         names += module.active_fix_names() if module is not None else []
     return names
 
