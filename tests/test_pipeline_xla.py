@@ -14,8 +14,9 @@ from pipeline_runtime_models import (
     token_transformer_and_stages,
 )
 
+from models import registry
 from tfmulti.devices import logical_device_names
-from tfmulti.hybrid import HybridPipelineModel
+from tfmulti.hybrid import HybridPipelineModel, build_hybrid_model
 from tfmulti.mesh import parse_mesh
 from tfmulti.pipeline.runtime import PipelineModel
 
@@ -109,3 +110,28 @@ def test_hybrid_copies_compile_their_stages_with_xla_and_train_like_one_device()
     for replica in hybrid.replicas:
         for mine, theirs in zip(replica.get_weights(), reference.get_weights(), strict=True):
             np.testing.assert_allclose(mine, theirs, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_a_stage_split_over_a_tensor_group_is_refused_by_name():
+    def split_blocks(devices=None):
+        options = {"num_layers": 2, "num_heads": 2, "d_model": 8}
+        if devices is not None:
+            options.update(tensor_parallel=len(devices), tensor_parallel_devices=list(devices))
+        return registry.build_blocks("transformer", (8,), 16, seed=0, **options)
+
+    mesh_text = "data=1,pipe=2,tensor=2"
+    hybrid = build_hybrid_model(
+        split_blocks,
+        mesh_text,
+        num_microbatches=2,
+        schedule="1f1b",
+        devices=logical_device_names("CPU")[: parse_mesh(mesh_text).num_devices],
+        make_split_blocks=split_blocks,
+    )
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    tokens = np.random.default_rng(0).integers(0, 16, (8, 9)).astype("int32")
+    hybrid.compile(optimizer="sgd", loss=loss, jit_compile=True)
+    with pytest.raises(ValueError, match=r"holds its variables on 2 devices .*one device"):
+        hybrid.train_on_batch(tokens[:, :-1], tokens[:, 1:])
+    hybrid.compile(optimizer="sgd", loss=loss, jit_compile=False)
+    assert np.isfinite(hybrid.train_on_batch(tokens[:, :-1], tokens[:, 1:]))

@@ -73,6 +73,26 @@ def test_mesh_that_does_not_fit_the_devices_is_one_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_xla_with_a_tensor_group_in_the_mesh_is_one_line(tmp_path):
+    # XLA compiles a stage for one device; a stage split over a tensor group spans two.
+    result = run_script(
+        "train.py",
+        *TWO_EPOCHS,
+        "--strategy=hybrid",
+        "--mesh=data=1,pipe=2,tensor=2",
+        "--virtual_devices=4",
+        "--model=transformer",
+        "--dataset=tokens",
+        "--jit_compile",
+        f"--model_dir={tmp_path / 'run'}",
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    line = last_line(result.stderr)
+    assert "--jit_compile" in line and "tensor > 1" in line and "tensor=1" in line
+    assert not os.path.exists(tmp_path / "run")
+
+
 TRANSFORMER = (
     "--model=transformer",
     "--dataset=tokens",

@@ -184,6 +184,16 @@ def _is_mesh(text: str | None) -> bool:
         return False
 
 
+def _mesh_tensor_size(text: str | None) -> int:
+    """The tensor axis of --mesh (1 when unset or unreadable: `_is_mesh` reports that)."""
+    from tfmulti.mesh import MeshError, parse_mesh
+
+    try:
+        return 1 if text is None else parse_mesh(text).tensor
+    except MeshError:
+        return 1
+
+
 @flag_group("pipeline, model, tensor and hybrid parallelism")
 def define_pipeline_flags() -> None:
     """Flags of --strategy=pipeline and --strategy=model_parallel."""
@@ -367,6 +377,12 @@ def define_train_flags() -> None:
         ),
         message="--tensor_parallel > 1 goes with --strategy=model_parallel --model=transformer "
         "and without --jit_compile",
+    )
+    flags.register_multi_flags_validator(
+        ["mesh", "jit_compile"],
+        lambda values: not values["jit_compile"] or _mesh_tensor_size(values["mesh"]) == 1,
+        message="--jit_compile does not go with a --mesh of tensor > 1 (XLA compiles a stage "
+        "for one device, a tensor group spans several); drop --jit_compile or use tensor=1",
     )
     flags.register_multi_flags_validator(
         ["tensor_reduce", "jit_compile"],

@@ -17,12 +17,28 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
+from tfmulti.devices import variable_device
 from tfmulti.pipeline.runtime.graph_cut import GraphCut, ops_between
 
 
 def is_differentiable(tensor) -> bool:
     """Whether gradients flow through `tensor` (float tensors; ids and masks get none)."""
     return isinstance(tensor, tf.Tensor) and tensor.dtype.is_floating
+
+
+def refuse_xla_over_devices(stage) -> None:
+    """Raises a one-line ValueError when `stage` holds variables on more than one device.
+
+    XLA compiles a function for one device, so a stage split over a tensor group (its
+    shards on several devices) cannot be compiled whole.
+    """
+    held_on = sorted({variable_device(variable) for variable in stage.weights})
+    if len(held_on) > 1:
+        raise ValueError(
+            f"Stage {stage.name!r} holds its variables on {len(held_on)} devices "
+            f"({', '.join(held_on)}), and XLA compiles a stage for one device; compile "
+            "without jit_compile (or use a mesh with tensor=1)."
+        )
 
 
 def _identity(value):
@@ -111,6 +127,8 @@ class TracedStage:
                 return Feed("carry", carry_ids[tensor.ref()])
             return Feed("residual", residual_ids[tensor.ref()])
 
+        if jit_compile:
+            refuse_xla_over_devices(stage)
         self._cutter = GraphCut(graph, jit_compile)
         self.forward = self._cutter.function(
             inputs, list(flat_outputs) + residuals, _unread_stateful_ops(forward_ops)
@@ -233,6 +251,8 @@ class StageFunctions:
         function = self._calls.get(training)
         if function is None:
             stage = self.stage
+            if self.jit_compile:
+                refuse_xla_over_devices(stage)
             function = tf.function(
                 lambda stage_inputs: stage(stage_inputs, training=training),
                 autograph=False,
