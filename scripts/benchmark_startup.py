@@ -6,7 +6,9 @@ For the reference Transformer (tokens of length 32, vocabulary 64, batch 64) at 
 the largest m that gives each replica's micro-batches a row:
 seconds to trace the training step, seconds to its first finished run (graph
 optimisation and set-up included) and to a second run, the process's CPU seconds, and the
-size of the traced step (nodes in the step's graph, and with its functions). Each
+size of the traced step (nodes in the step's graph, and with its functions); then the CPU
+seconds to trace, optimise and run one evaluation step, which `fit` with validation data
+pays before its first epoch ends, and that step's size. Each
 configuration runs in a fresh process, so nothing is shared between them.
 
 Prints JSON records; `--out` writes them, `--plot` draws start-up time against m.
@@ -108,6 +110,15 @@ def measure(kind: str, layers: int, microbatches: int) -> dict:
         concrete(data)
         steady.append(time.perf_counter() - start)
     graph = step.get_concrete_function(data).graph.as_graph_def()
+    # What `fit` with validation data pays next: trace, optimise and run one test step.
+    evaluate = tf.function(model.test_step, autograph=False)
+    cpu = time.process_time()
+    concrete_evaluate = evaluate.get_concrete_function(data)
+    evaluation_graph = concrete_evaluate.graph.as_graph_def()
+    if FLAGS.grappler_once and isinstance(model, OptimisedOnceSteps):
+        concrete_evaluate = optimised_once(concrete_evaluate)
+    concrete_evaluate(data)
+    first_evaluation_cpu_s = time.process_time() - cpu
     return {
         "benchmark": "startup",
         "kind": kind,
@@ -121,8 +132,15 @@ def measure(kind: str, layers: int, microbatches: int) -> dict:
         "steady_step_s": float(np.median(steady)),
         "step_nodes": len(graph.node),
         "rolled": any(node.op in ("While", "StatelessWhile") for node in graph.node),
-        "total_nodes": len(graph.node) + sum(len(f.node_def) for f in graph.library.function),
+        "total_nodes": _total_nodes(graph),
+        "first_evaluation_cpu_s": first_evaluation_cpu_s,
+        "evaluation_total_nodes": _total_nodes(evaluation_graph),
     }
+
+
+def _total_nodes(graph_def) -> int:
+    """Nodes of a graph and of every function in its library."""
+    return len(graph_def.node) + sum(len(f.node_def) for f in graph_def.library.function)
 
 
 def _configurations() -> list[tuple[str, int, int]]:
@@ -171,6 +189,13 @@ def plot(records: list[dict], path: str) -> None:
             color=color,
             label=f"pipeline p={FLAGS.num_devices}, {layers} layers",
         )
+        axis.plot(
+            [r["microbatches"] for r in pipeline],
+            [r["first_step_cpu_s"] + r.get("first_evaluation_cpu_s", 0.0) for r in pipeline],
+            "s:",
+            color=color,
+            label=f"the same, with the first evaluation step, {layers} layers",
+        )
         for r in records:
             if r["layers"] == layers and r["kind"] == "one_device":
                 axis.axhline(
@@ -179,9 +204,16 @@ def plot(records: list[dict], path: str) -> None:
                     ls="--",
                     label=f"one device, {layers} layers",
                 )
+                if "first_evaluation_cpu_s" in r:
+                    axis.axhline(
+                        r["first_step_cpu_s"] + r["first_evaluation_cpu_s"],
+                        color=color,
+                        ls="-.",
+                        label=f"one device with its first evaluation step, {layers} layers",
+                    )
     axis.set_xscale("log", base=2)
     axis.set_xlabel("micro-batches m")
-    axis.set_ylabel("CPU seconds to the first finished step")
+    axis.set_ylabel("CPU seconds to the first finished step(s)")
     axis.set_ylim(bottom=0)
     axis.legend()
     axis.set_title("Start-up: trace, optimise and run one training step")

@@ -31,7 +31,6 @@ from tfmulti.pipeline.runtime.microbatches import (
     concat_microbatches,
     even_sizes,
     microbatch_sizes,
-    split_microbatches,
     trim_microbatches,
 )
 from tfmulti.pipeline.runtime.model_stages import stages_from_model
@@ -42,6 +41,7 @@ from tfmulti.pipeline.runtime.placement import (
     move_built_stages,
     resolve_devices,
 )
+from tfmulti.pipeline.runtime.rolled_forward import forward_microbatches
 from tfmulti.pipeline.runtime.schedule_choice import resolve_schedule
 
 
@@ -156,16 +156,17 @@ class PipelineModel(OptimisedOnceSteps, keras.Model):
 
     def call(self, inputs, training=None):
         self.build_stages(inputs)
-        parts = split_microbatches(inputs, microbatch_sizes(inputs, self.num_microbatches))
-        outputs = []
-        for part in parts:
+
+        def through_stages(part):
             for functions, device in zip(
                 self._executor.stage_functions, self.stage_devices, strict=True
             ):
                 with tf.device(device):
                     part = functions.call(part, training=training)
-            outputs.append(part)
-        return concat_microbatches(outputs)
+            return part
+
+        sizes = microbatch_sizes(inputs, self.num_microbatches)
+        return forward_microbatches(inputs, sizes, through_stages)
 
     def train_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
