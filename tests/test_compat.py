@@ -131,3 +131,18 @@ def test_upstream_keras_callbacks_still_write_to_user_paths_on_non_chief(upstrea
     assert probe["saved_paths"] == [probe["user_path"]], (
         "upstream fixed non_chief_callbacks_write_to_scratch: remove the fix"
     )
+
+
+def test_upstream_keras_still_cannot_fit_with_xla_under_a_mirrored_strategy():
+    # scripts/train.py refuses --jit_compile with mirrored and multi_worker for this reason
+    # (keras-team/keras#19005); when this test fails, upstream fits: lift the refusal.
+    import numpy as np
+    import tensorflow as tf
+
+    strategy = tf.distribute.MirroredStrategy(tf.config.list_logical_devices("CPU")[:2])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    x, y = np.ones((16, 4), "float32"), np.ones((16, 3), "float32")
+    with pytest.raises(Exception, match="Trying to access resource .* located in device"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)

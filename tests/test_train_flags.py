@@ -26,6 +26,7 @@ BAD_FLAGS = [
     ("--trace_steps=0", "trace_steps"),
     ("--worker_hosts=localhost:1234", "task_index"),
     ("--model_option=num_layers", "model_option"),
+    ("--jit_compile", "jit_compile"),  # with the default --strategy=mirrored
 ]
 
 

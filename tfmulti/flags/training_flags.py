@@ -379,6 +379,15 @@ def define_train_flags() -> None:
         "and without --jit_compile",
     )
     flags.register_multi_flags_validator(
+        ["strategy", "jit_compile"],
+        lambda values: (
+            values["strategy"] not in ("mirrored", "multi_worker") or not values["jit_compile"]
+        ),
+        message="--jit_compile does not go with --strategy=mirrored or multi_worker: Keras 3 "
+        "cannot compile a tf.distribute replica's step with XLA (keras-team/keras#19005); "
+        "drop --jit_compile, or use --strategy=one_device or pipeline",
+    )
+    flags.register_multi_flags_validator(
         ["mesh", "jit_compile"],
         lambda values: not values["jit_compile"] or _mesh_tensor_size(values["mesh"]) == 1,
         message="--jit_compile does not go with a --mesh of tensor > 1 (XLA compiles a stage "
