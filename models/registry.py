@@ -132,8 +132,52 @@ def build_blocks(
             f"Model {name!r} has no option {unknown}; its options are "
             f"{list(model_options(name))}. Received: {options}"
         )
+    _check_option_types(name, options)
     check_model_accepts(name, None, input_shape)
     return spec.build_blocks(tuple(input_shape), num_outputs, seed, **options)
+
+
+def _kind_of(value) -> type | None:
+    """The kind of value an option takes, from its default (None: not checked)."""
+    if isinstance(value, bool):
+        return bool
+    if isinstance(value, int | float):
+        return type(value)
+    if isinstance(value, tuple | list):
+        return tuple
+    return str if isinstance(value, str) else None
+
+
+# What each kind of option takes, and an example value.
+_KINDS = {
+    bool: ("True or False", "True"),
+    int: ("an integer", "4"),
+    float: ("a number", "0.1"),
+    tuple: ("a tuple of sizes", "'(64, 64)'"),
+    str: ("a name", "relu"),
+}
+
+
+def _check_option_types(name: str, options: dict) -> None:
+    """Raises a one-line ValueError for an option whose value is not of its default's kind
+    (an int where a tuple of sizes goes, a float where a count goes)."""
+    parameters = inspect.signature(model_spec(name).build_blocks).parameters
+    for option, value in options.items():
+        kind = _kind_of(parameters[option].default)
+        fits = {
+            None: True,
+            bool: isinstance(value, bool),
+            int: isinstance(value, int) and not isinstance(value, bool),
+            float: isinstance(value, int | float) and not isinstance(value, bool),
+            tuple: isinstance(value, tuple | list),
+            str: isinstance(value, str),
+        }[kind]
+        if not fits:
+            wanted, example = _KINDS[kind]
+            raise ValueError(
+                f"Model {name!r} option {option!r} takes {wanted}, e.g. "
+                f"--model_option={option}={example}. Received: {option}={value!r}"
+            )
 
 
 def build_model(

@@ -199,6 +199,22 @@ def test_unknown_model_and_unknown_option_are_named_in_the_error():
         build_blocks("mlp", (8,), 10, d_model=32)
 
 
+@pytest.mark.parametrize(
+    "name, option, value, wanted",
+    [
+        ("mlp", "hidden_units", 32, "a tuple of sizes"),
+        ("transformer", "num_layers", 1.5, "an integer"),
+        ("transformer", "num_heads", True, "an integer"),
+        ("mlp", "activation", 1, "a name"),
+    ],
+)
+def test_an_option_of_the_wrong_kind_is_named_in_one_line(name, option, value, wanted):
+    input_shape = (32,) if name == "transformer" else (8,)
+    with pytest.raises(ValueError, match=rf"option '{option}' takes {wanted}, e\.g\. ") as error:
+        build_blocks(name, input_shape, 64, **{option: value})
+    assert "\n" not in str(error.value)
+
+
 def test_transformer_rejects_a_vocab_size_other_than_its_outputs():
     with pytest.raises(ValueError, match="vocab_size=10, num_outputs=16"):
         build_blocks("transformer", (8,), 16, vocab_size=10)

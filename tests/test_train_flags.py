@@ -1,7 +1,7 @@
 """`scripts/train.py` rejects bad input with one line that names the problem."""
 
 import pytest
-from script_runner import last_line, run_script
+from script_runner import USER_CODE_ENV, last_line, run_script
 
 BAD_FLAGS = [
     ("--batch_size=0", "batch_size"),
@@ -16,6 +16,8 @@ BAD_FLAGS = [
     ("--profile_steps=5,3", "profile_steps"),
     ("--profile_steps=abc", "profile_steps"),
     ("--virtual_devices=-2", "virtual_devices"),
+    ("--virtual_devices=100000", "virtual_devices"),
+    ("--collective_timeout=0.001", "collective_timeout"),
     ("--no_such_flag=1", "no_such_flag"),
     ("--tensor_parallel=2", "tensor_parallel"),
     ("--placement=auto", "placement"),
@@ -81,3 +83,20 @@ def test_missing_data_file_is_one_line(tmp_path):
     assert result.returncode != 0
     assert "missing.npz" in last_line(result.stderr)
     assert "Traceback" not in result.stderr
+
+
+def test_a_collective_that_times_out_is_one_line_naming_the_flag(tmp_path):
+    # The user's model sums over a group of two devices that only one joins.
+    result = run_script(
+        "train.py",
+        "--strategy=one_device",
+        "--model=stalled_collective:stalled_mlp",
+        "--epochs=1",
+        "--steps_per_epoch=2",
+        f"--model_dir={tmp_path}",
+        env=USER_CODE_ENV,
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    line = last_line(result.stderr)
+    assert "did not arrive" in line and "--collective_timeout" in line

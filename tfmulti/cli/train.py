@@ -33,20 +33,37 @@ def _train(argv: list[str]) -> None:
     from tfmulti.model_setup import resolve_run_cluster
     from tfmulti.parallel.collective_all_reduce import set_collective_timeout
     from tfmulti.parallel.tensor_reduction import set_tensor_reduction
-    from tfmulti.training import train
     from tfmulti.worker_console import quiet_unless_chief
 
     set_tensor_reduction(FLAGS.tensor_reduce)
     set_collective_timeout(FLAGS.collective_timeout)
     config = config_from_flags()
     quiet = quiet_unless_chief(resolve_run_cluster(config), FLAGS.verbose_workers)
-    record = train(config)
+    record = _train_or_report_timeout(config)
     if quiet:
         return
     final = ", ".join(f"{name}={value:.4f}" for name, value in record["final"].items())
     logging.info("Final validation: %s", final)
     print(f"TensorBoard logs: {os.path.join(FLAGS.model_dir, 'logs')}")
     print(f"Metrics: {os.path.join(FLAGS.model_dir, 'metrics.json')}")
+
+
+def _train_or_report_timeout(config):
+    """`train(config)`; a collective that timed out becomes one line naming the flag."""
+    import tensorflow as tf
+
+    from tfmulti.errors import TrainingError
+    from tfmulti.training import train
+
+    try:
+        return train(config)
+    except tf.errors.DeadlineExceededError:
+        waited = f"{FLAGS.collective_timeout:g} s" if FLAGS.collective_timeout else "its timeout"
+        raise TrainingError(
+            f"A collective waited {waited} for a device or worker of its group that did not "
+            "arrive (--collective_timeout); check the other workers' logs, or raise "
+            "--collective_timeout."
+        ) from None
 
 
 def main() -> None:
