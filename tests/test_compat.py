@@ -16,6 +16,7 @@ from tfmulti.compat import keras_multi_worker, worker_paths
 UPSTREAM_FAILURES = {
     "symbolic_build_from_one_replica": "PerReplica",
     "reduce_metrics_across_replicas_only": "Invalid reduction dimension 0",
+    "steps_per_execution_in_a_plain_loop": "You must feed a value for placeholder",
 }
 
 
@@ -56,7 +57,8 @@ def test_fixes_are_active_whichever_import_comes_first(code):
     )
     assert active == (
         "['symbolic_build_from_one_replica', 'reduce_metrics_across_replicas_only', "
-        "'non_chief_callbacks_write_to_scratch', 'merge_repeated_sparse_gradient_rows', "
+        "'steps_per_execution_in_a_plain_loop', 'non_chief_callbacks_write_to_scratch', "
+        "'merge_repeated_sparse_gradient_rows', "
         "'mean_aggregated_layer_state_under_strategies'] True"
     )
 

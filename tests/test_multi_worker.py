@@ -36,7 +36,7 @@ def single_process_reference(epochs):
     }
 
 
-def run_workers(tmp_path, devices, epochs=2, model_dir=None):
+def run_workers(tmp_path, devices, epochs=2, model_dir=None, steps_per_execution=1):
     out = tmp_path / f"out-{devices}-{epochs}"
     out.mkdir()
     model_dir = model_dir or tmp_path / f"model-{devices}"
@@ -45,6 +45,7 @@ def run_workers(tmp_path, devices, epochs=2, model_dir=None):
         f"--epochs={epochs}",
         f"--out={out}",
         f"--model_dir={model_dir}",
+        f"--steps_per_execution={steps_per_execution}",
     ]
     assert_all_workers_succeeded(run_local_cluster("mwms_worker.py", flags, timeout_seconds=240))
     return [json.loads((out / f"worker{rank}.json").read_text()) for rank in range(2)], model_dir
@@ -86,6 +87,18 @@ def test_evaluate_and_predict_match_single_process_on_every_worker(cluster_run):
         np.testing.assert_allclose(
             result["predictions"], reference["predictions"], rtol=1e-5, atol=1e-6
         )
+
+
+def test_steps_per_execution_trains_and_evaluates_like_single_process(tmp_path):
+    # Two steps per call into TensorFlow (compat fix steps_per_execution_in_a_plain_loop).
+    (chief, other), _ = run_workers(tmp_path, devices=1, steps_per_execution=2)
+    reference = single_process_reference(epochs=2)
+    for result in (chief, other):
+        for weight, expected in zip(result["weights"], reference["weights"], strict=True):
+            np.testing.assert_allclose(weight, expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(result["loss"], reference["loss"], rtol=1e-5)
+        np.testing.assert_allclose(result["evaluation"], reference["evaluation"], rtol=1e-5)
+    assert "steps_per_execution_in_a_plain_loop" in chief["active_fixes"]
 
 
 def test_only_the_chief_writes_into_model_dir(cluster_run):

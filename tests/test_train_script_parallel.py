@@ -209,6 +209,23 @@ def test_multi_worker_script_trains_like_one_device_with_chief_only_outputs(
     assert len(paths) == 1 and paths[0].startswith("[worker 0]")
 
 
+def test_multi_worker_script_with_steps_per_execution_trains_like_one_step_per_call(tmp_path):
+    # 4 steps per epoch and 4 validation steps, in calls of 2 steps (Keras runs whole
+    # calls, so the counts divide by 2 to compare with one step per call).
+    flags = (*COMMON, "--epochs=2", "--steps_per_epoch=4", "--validation_steps=4")
+    reference_dir = str(tmp_path / "one_step_per_call")
+    reference = run_script(
+        "train.py", *flags, "--strategy=one_device", f"--model_dir={reference_dir}"
+    )
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    model_dir = str(tmp_path / "run")
+    returncode, output = launch_training(
+        *flags, "--strategy=multi_worker", "--steps_per_execution=2", f"--model_dir={model_dir}"
+    )
+    assert returncode == 0, output[-3000:]
+    assert_same_training(read_metrics(model_dir), read_metrics(reference_dir))
+
+
 def _worker_pid(model_dir: str, rank: int) -> int | None:
     """The pid of the training process of `rank` whose command line names `model_dir`."""
     for pid in filter(str.isdigit, os.listdir("/proc")):

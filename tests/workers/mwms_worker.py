@@ -34,7 +34,7 @@ def make_data():
     return x, y
 
 
-def make_model():
+def make_model(steps_per_execution=1):
     """A small dense model with weights set from a fixed seed, identical everywhere."""
     model = keras.Sequential(
         [keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)]
@@ -43,7 +43,12 @@ def make_model():
     model.set_weights(
         [rng.normal(scale=0.5, size=w.shape).astype("float32") for w in model.weights]
     )
-    model.compile(keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    model.compile(
+        keras.optimizers.SGD(0.1),
+        loss="mse",
+        metrics=["mae"],
+        steps_per_execution=steps_per_execution,
+    )
     return model
 
 
@@ -53,9 +58,9 @@ def sharded_dataset(with_labels=True):
     return input_sharding.apply_shard_policy(dataset.batch(GLOBAL_BATCH), "data")
 
 
-def train(strategy, cluster, model_dir, epochs):
+def train(strategy, cluster, model_dir, epochs, steps_per_execution=1):
     with strategy.scope():
-        model = make_model()
+        model = make_model(steps_per_execution)
     callbacks = [
         keras.callbacks.ModelCheckpoint(
             os.path.join(model_dir, "ckpt-{epoch}.weights.h5"), save_weights_only=True
@@ -93,7 +98,8 @@ def fit_without(strategy, fix_name, model_dir):
     saved_paths = []
     try:
         with strategy.scope():
-            model = make_model()
+            # That fix only acts on several steps per execution.
+            model = make_model(2 if fix_name == "steps_per_execution_in_a_plain_loop" else 1)
         model.save_weights = lambda filepath, **kwargs: saved_paths.append(filepath)
         probe_path = os.path.join(model_dir, "probe.weights.h5")
         callback = keras.callbacks.ModelCheckpoint(probe_path, save_weights_only=True)
@@ -110,6 +116,7 @@ def main():
     parser.add_argument("--mode", choices=["train", "upstream_probe"], default="train")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--steps_per_execution", type=int, default=1)
     parser.add_argument("--out", required=True)
     parser.add_argument("--model_dir", required=True)
     args = parser.parse_args()
@@ -123,7 +130,7 @@ def main():
         cluster, communication="ring", timeout_seconds=120, connect_timeout_seconds=150
     )
     if args.mode == "train":
-        result = train(strategy, cluster, args.model_dir, args.epochs)
+        result = train(strategy, cluster, args.model_dir, args.epochs, args.steps_per_execution)
     else:
         result = {
             name: fit_without(strategy, name, args.model_dir)

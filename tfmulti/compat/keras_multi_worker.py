@@ -116,6 +116,52 @@ def _callback_paths_per_worker(original: Callable) -> Callable:
     return set_model
 
 
+def _steps_in_a_plain_loop(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _make_function(self, step_function):
+        if (
+            self.steps_per_execution == 1
+            or self.run_eagerly
+            or not is_multi_worker(self._distribute_strategy)
+        ):
+            return original(self, step_function)
+        # Upstream runs each execution's steps in a tf.while_loop whose body takes the
+        # next batch as an Optional inside a tf.cond; under this strategy that graph fails
+        # ("You must feed a value for placeholder ... while/cond/Placeholder"). Here the
+        # loop takes `get_next()` batches with no cond: every worker runs the same number
+        # of steps, and a worker out of data ends the epoch (OutOfRangeError) as upstream.
+        strategy = self._distribute_strategy
+
+        def one_step_on_data(data):
+            outputs = strategy.run(step_function, args=(data,))
+            return tensorflow_trainer.reduce_per_replica(outputs, strategy, reduction="auto")
+
+        one_step_on_data = self._autoconvert_optionals(
+            tf.function(one_step_on_data, reduce_retracing=True, jit_compile=self.jit_compile)
+        )
+
+        @tf.function(reduce_retracing=True)
+        def steps_on_iterator(iterator):
+            outputs = one_step_on_data(iterator.get_next())
+            _, outputs = tf.while_loop(
+                lambda step, _: step < self.steps_per_execution,
+                lambda step, _: (step + 1, one_step_on_data(iterator.get_next())),
+                (tf.constant(1), outputs),
+            )
+            return outputs
+
+        def function(iterator):
+            if isinstance(iterator, tf.data.Iterator | tf.distribute.DistributedIterator):
+                return steps_on_iterator(iterator)
+            for _, data in zip(range(self.steps_per_execution), iterator, strict=False):
+                outputs = one_step_on_data(data)
+            return outputs
+
+        return function
+
+    return _make_function
+
+
 FIXES = (
     Fix(
         name="symbolic_build_from_one_replica",
@@ -128,6 +174,12 @@ FIXES = (
         owner=tensorflow_trainer,
         attribute="reduce_per_replica",
         make_replacement=_mean_over_replicas_elementwise,
+    ),
+    Fix(
+        name="steps_per_execution_in_a_plain_loop",
+        owner=tensorflow_trainer.TensorFlowTrainer,
+        attribute="_make_function",
+        make_replacement=_steps_in_a_plain_loop,
     ),
     Fix(
         name="non_chief_callbacks_write_to_scratch",
