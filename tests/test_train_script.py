@@ -71,6 +71,33 @@ def test_resume_continues_from_the_saved_epoch_and_records_each_epoch_once(tmp_p
     assert [epoch["epoch"] for epoch in metrics["epochs"]] == [1, 2, 3]
 
 
+def test_resuming_with_another_layout_is_one_line_and_leaves_the_run_as_it_was(tmp_path):
+    model_dir = tmp_path / "run"
+    pipeline = ("--strategy=pipeline", "--virtual_devices=2")
+    first = run_script("train.py", *COMMON, *pipeline, "--epochs=1", f"--model_dir={model_dir}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    written = {
+        path: open(path, "rb").read()
+        for path in glob.glob(f"{model_dir}/**/*", recursive=True)
+        if os.path.isfile(path) and "tfevents" not in path
+    }
+    resumed = run_script(
+        "train.py",
+        *COMMON,
+        "--strategy=one_device",
+        "--epochs=2",
+        "--resume",
+        f"--model_dir={model_dir}",
+    )
+    assert resumed.returncode == 1
+    assert "Traceback" not in resumed.stderr
+    line = last_line(resumed.stderr)
+    assert "holds the training state of another model or layout" in line
+    assert "new --model_dir" in line
+    for path, content in written.items():
+        assert open(path, "rb").read() == content, f"{path} changed"
+
+
 def test_nan_loss_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_path):
     model_dir = str(tmp_path / "run")
     good = run_script("train.py", *COMMON, "--epochs=1", f"--model_dir={model_dir}")

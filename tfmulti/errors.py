@@ -31,4 +31,9 @@ class Preempted(RuntimeError):
         )
 
 
+class IncompatibleCheckpoint(ValueError):
+    """A checkpoint holds the training state of another model or layout than the one
+    built to resume it; the message says so in one line."""
+
+
 USER_ERRORS = (ValueError, TrainingError, FileNotFoundError, Preempted)

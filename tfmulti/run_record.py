@@ -14,6 +14,7 @@ Keys:
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -45,9 +46,11 @@ class RunRecord:
     def __init__(self, directory: str | None, run: dict, resume_from_epoch: int | None = None):
         self.path = os.path.join(directory, METRICS_FILE) if directory else None
         epochs, resumes, preemptions = [], [], []
+        self._previous = None
         if resume_from_epoch is not None and self.path and os.path.exists(self.path):
             with open(self.path) as handle:
                 previous = json.load(handle)
+            self._previous = copy.deepcopy(previous)
             epochs = [e for e in previous["epochs"] if e["epoch"] <= resume_from_epoch]
             resumes = previous.get("resumes", [])
             preemptions = previous.get("preemptions", [])
@@ -88,6 +91,13 @@ class RunRecord:
         self.record["status"] = "failed" if failure else "completed"
         self.record["failure"] = failure
         self.write()
+
+    def put_back_previous(self) -> None:
+        """Rewrites the file a resumed run found, as it was (the resume failed before
+        training anything, e.g. its checkpoint did not fit the model built)."""
+        if self._previous is not None:
+            self.record = self._previous
+            self.write()
 
     def write(self) -> None:
         if self.path:

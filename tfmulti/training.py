@@ -16,7 +16,7 @@ from tfmulti.checkpointing import EpochCheckpoint, latest_checkpoint
 from tfmulti.cluster import ClusterInfo, worker_output_dir
 from tfmulti.compat import tf_profiler, worker_paths
 from tfmulti.config import TrainConfig
-from tfmulti.errors import Preempted, TrainingError
+from tfmulti.errors import IncompatibleCheckpoint, Preempted, TrainingError
 from tfmulti.hybrid import worker_rows
 from tfmulti.input_sharding import check_file_sharding
 from tfmulti.model_setup import (
@@ -260,6 +260,9 @@ def train(config: TrainConfig) -> dict:
             callbacks=callbacks,
             verbose=2,
         )
+    except IncompatibleCheckpoint:
+        record.put_back_previous()
+        raise
     except Preempted as preempted:
         record.add_preemption(
             preempted.epoch + 1, preempted.step, os.path.basename(preempted.checkpoint), time.time()
