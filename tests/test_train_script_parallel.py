@@ -226,6 +226,19 @@ def test_multi_worker_script_with_steps_per_execution_trains_like_one_step_per_c
     assert_same_training(read_metrics(model_dir), read_metrics(reference_dir))
 
 
+def test_a_one_host_strategy_launched_on_two_workers_is_one_line(tmp_path):
+    # Two independent pipelines would each train alone and write the same model_dir.
+    model_dir = tmp_path / "run"
+    returncode, output = launch_training(
+        *TWO_EPOCHS, "--strategy=pipeline", f"--model_dir={model_dir}"
+    )
+    assert returncode == 1
+    assert "Traceback" not in output
+    assert "--strategy=pipeline trains on one host, but this process is worker" in output
+    assert "use --strategy=multi_worker or hybrid" in output
+    assert not (model_dir / "metrics.json").exists()
+
+
 def _worker_pid(model_dir: str, rank: int) -> int | None:
     """The pid of the training process of `rank` whose command line names `model_dir`."""
     for pid in filter(str.isdigit, os.listdir("/proc")):

@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmulti.cluster import ClusterInfo
+from tfmulti.cluster import ClusterError, ClusterInfo, resolve_cluster
 from tfmulti.config import TrainConfig
 from tfmulti.pipeline.runtime.optimizer_placement import place_optimizer_on_variable_devices
 from tfmulti.spread.model_source import ModelSource
@@ -45,7 +45,23 @@ class Spread:
     """
 
     def resolve_cluster(self, config: TrainConfig) -> ClusterInfo | None:
-        """The workers the run spans; None for a run on one host."""
+        """The workers the run spans; None for a run on one host.
+
+        Raises:
+            ValueError: this process is one of several workers (`--worker_hosts`,
+                `TF_CONFIG` as `scripts/launch.py` sets it, or a SLURM step), which would
+                each train alone and write the same `--model_dir`.
+        """
+        try:
+            cluster = resolve_cluster(config.worker_hosts, config.task_index)
+        except ClusterError:
+            return None  # no cluster described: one host
+        if cluster.num_workers > 1:
+            raise ValueError(
+                f"--strategy={config.strategy} trains on one host, but this process is "
+                f"worker {cluster.task_index} of {cluster.num_workers} ({cluster.source}); "
+                "use --strategy=multi_worker or hybrid across workers, or run it alone."
+            )
         return None
 
     def make_strategy(
