@@ -244,3 +244,19 @@ def test_batch_larger_than_a_split_is_rejected_with_the_limit():
 def test_options_a_dataset_does_not_use_are_rejected():
     with pytest.raises(ValueError, match=r"does not use \['vocab_size'\]"):
         make_datasets("digits", 32, vocab_size=10)
+
+
+@pytest.mark.parametrize(
+    "name, write, message",
+    [
+        ("data.json", lambda path: path.write_text('{"x": [1]}'), "is not a .npz file"),
+        ("one.npy", lambda path: np.save(path, np.zeros(3)), "holds one array"),
+        ("empty.npz", lambda path: path.write_bytes(b""), "is not a .npz file"),
+    ],
+)
+def test_a_file_that_is_not_an_npz_is_named_in_a_one_line_error(tmp_path, name, write, message):
+    path = tmp_path / name
+    write(path)
+    with pytest.raises(ValueError, match=message) as error:
+        load_source("npz", data_path=str(path))
+    assert "\n" not in str(error.value) and "np.savez" in str(error.value)

@@ -26,6 +26,7 @@ BAD_FLAGS = [
     ("--schedule=interleaved_1f1b", "chunks"),
     ("--partition=evenly", "partition"),
     ("--trace_steps=0", "trace_steps"),
+    ("--trace_steps=1,2", "trace_steps"),  # with the default --strategy=mirrored
     ("--worker_hosts=localhost:1234", "task_index"),
     ("--model_option=num_layers", "model_option"),
     ("--jit_compile", "jit_compile"),  # with the default --strategy=mirrored

@@ -69,6 +69,11 @@ USER_MODULE = textwrap.dedent(
 
     def not_data():
         return "digits"
+
+
+    def sixty_labels():
+        x, y = arrays()
+        return x, y + 50
     """
 )
 RUN = (
@@ -212,6 +217,8 @@ BAD_MODULES = [
     ("--model=user_models:not_a_model", "keras.Model"),
     ("--dataset=user_models:not_data", "user_models:not_data"),
     ("--dataset=no_such_data:load", "no_such_data"),
+    # 10 scores against labels 50..59.
+    ("--dataset=user_models:sixty_labels", "gives 10 scores per example"),
 ]
 
 

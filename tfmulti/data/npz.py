@@ -39,7 +39,7 @@ def load_npz(
     """
     if not os.path.isfile(path):
         raise ValueError(f"No .npz file at data_path; pass an existing file. Received: {path!r}")
-    with np.load(path) as arrays:
+    with _open_npz(path) as arrays:
         missing = [key for key in ("x", "y") if key not in arrays.files]
         if missing:
             raise ValueError(
@@ -106,3 +106,21 @@ def _check_labels(arrays: list[np.ndarray], num_classes: int | None, path: str) 
             f"Received: num_classes={num_classes}, largest label {highest} in {path!r}"
         )
     return num_classes
+
+
+def _open_npz(path: str):
+    """The arrays of the .npz file at `path`; a file of another kind is a one-line ValueError."""
+    try:
+        arrays = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as error:
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(
+            f"data_path is not a .npz file of arrays x and y (np.savez) ({first_line}). "
+            f"Received: data_path={path!r}"
+        ) from None
+    if not isinstance(arrays, np.lib.npyio.NpzFile):
+        raise ValueError(
+            "data_path holds one array (a .npy file); save x and y with np.savez. "
+            f"Received: data_path={path!r}"
+        )
+    return arrays

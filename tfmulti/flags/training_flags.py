@@ -302,8 +302,9 @@ def define_pipeline_flags() -> None:
     )
     flags.register_multi_flags_validator(
         ["strategy", "trace_steps"],
-        lambda values: values["strategy"] != "hybrid" or values["trace_steps"] is None,
-        message="--trace_steps does not support --strategy=hybrid yet",
+        lambda values: values["strategy"] == "pipeline" or values["trace_steps"] is None,
+        message="--trace_steps records a pipeline's schedule: use it with --strategy=pipeline "
+        "(not yet with hybrid), or drop it",
     )
     flags.register_multi_flags_validator(
         ["schedule", "chunks"],

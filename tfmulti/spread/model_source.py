@@ -97,7 +97,7 @@ def model_source(config: TrainConfig, info: DataInfo) -> ModelSource:
     a reference name builds from `models.registry` with `config.seed`.
     """
     if is_function_reference(config.model):
-        return _user_source(config.model, config.model_options)
+        return _user_source(config.model, config.model_options, info.num_classes)
 
     def build(**extra) -> keras.Model:
         return registry.build_model(
@@ -132,7 +132,7 @@ def model_source(config: TrainConfig, info: DataInfo) -> ModelSource:
     )
 
 
-def _user_source(reference: str, options: dict) -> ModelSource:
+def _user_source(reference: str, options: dict, num_classes: int) -> ModelSource:
     function = load_function(reference, "--model")
     try:
         inspect.signature(function).bind(**options)
@@ -150,6 +150,22 @@ def _user_source(reference: str, options: dict) -> ModelSource:
             raise ValueError(
                 f"--model={reference} must return a keras.Model. Received: {type(model).__name__}"
             )
+        _check_scores_cover_labels(reference, model, num_classes)
         return model
 
     return ModelSource(reference, build)
+
+
+def _check_scores_cover_labels(reference: str, model: keras.Model, num_classes: int) -> None:
+    """Raises a one-line ValueError when a functional model gives fewer scores (last axis
+    of its output) than the data has labels (classes, or tokens of a vocabulary)."""
+    outputs = getattr(model, "outputs", None)
+    if not outputs or len(outputs) != 1:
+        return  # a subclassed or multi-output model meets its data in fit
+    scores = outputs[0].shape[-1]
+    if scores is not None and scores < num_classes:
+        raise ValueError(
+            f"--model={reference} gives {scores} scores per example, but the data's labels "
+            f"go up to {num_classes - 1} ({num_classes} classes); end the model in "
+            f"{num_classes} outputs, or check --dataset's labels."
+        )
