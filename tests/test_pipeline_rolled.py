@@ -42,6 +42,7 @@ def _pipeline(make_stages, num_devices, chunks, num_microbatches, schedule, roll
         ("zb_h1", 2, 1, 16),
         ("zb_h2", 4, 1, 16),
         ("interleaved_1f1b", 2, 2, 8),
+        ("gpipe", 4, 1, 16),
     ],
 )
 def test_rolled_pipeline_trains_like_unrolled_and_like_one_device(
@@ -54,7 +55,9 @@ def test_rolled_pipeline_trains_like_unrolled_and_like_one_device(
         model = _pipeline(dense_stages, num_devices, chunks, num_microbatches, schedule, rolled)
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
         model(x0)
-        assert _loops_in_step(model, x0, y0) == (1 if rolled is None else 0)
+        # GPipe runs as two loops (forwards, then backwards), the others as one.
+        loops = 2 if schedule == "gpipe" else 1
+        assert _loops_in_step(model, x0, y0) == (loops if rolled is None else 0)
         models[rolled] = model
     reference = Chain(dense_stages(num_devices * chunks))
     reference.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
@@ -69,15 +72,18 @@ def test_rolled_pipeline_trains_like_unrolled_and_like_one_device(
     np.testing.assert_allclose(losses[0], losses[2], rtol=1e-5)
 
 
-def test_rolled_transformer_with_sparse_embedding_gradients_and_remat_trains_like_the_model():
+@pytest.mark.parametrize("schedule, loops", [("1f1b", 1), ("gpipe", 2)])
+def test_rolled_transformer_with_sparse_embedding_gradients_and_remat_trains_like_the_model(
+    schedule, loops
+):
     (x, y), loss, whole, stages = token_transformer_and_stages(num_layers=4, num_stages=2)
     whole.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
     pipeline = PipelineModel(
-        stages, logical_device_names("CPU")[:2], 8, "1f1b", remat=[True, False]
+        stages, logical_device_names("CPU")[:2], 8, schedule, remat=[True, False]
     )
     pipeline.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
     pipeline(x)
-    assert _loops_in_step(pipeline, x, y) == 1
+    assert _loops_in_step(pipeline, x, y) == loops
     for _ in range(STEPS):
         whole_loss = whole.train_on_batch(x, y)
         pipeline_loss = pipeline.train_on_batch(x, y)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tfmulti.pipeline.rolling import in_flight_after, roll_schedule
+from tfmulti.pipeline.rolling import in_flight_after, is_fill_drain, roll_schedule
 from tfmulti.pipeline.schedules import build_schedule
 
 ROLLABLE = [("1f1b", 4, None), ("zb_h1", 4, None), ("zb_h2", 4, None), ("interleaved_1f1b", 2, 2)]
@@ -62,6 +62,15 @@ def test_gpipe_and_too_few_microbatches_stay_unrolled():
     # flight grows from round to round, so it has no loop of one shape.
     assert roll_schedule(build_schedule("gpipe", 4, 32)) is None
     assert roll_schedule(build_schedule("1f1b", 4, 4)) is None
+
+
+def test_only_gpipe_runs_as_a_fill_and_a_drain_phase():
+    # Its two phases each repeat one round: the executor runs them as two loops.
+    assert is_fill_drain(build_schedule("gpipe", 4, 32))
+    assert is_fill_drain(build_schedule("gpipe", 2, 2))
+    assert not is_fill_drain(build_schedule("gpipe", 4, 1))
+    for name, num_devices, chunks in ROLLABLE:
+        assert not is_fill_drain(build_schedule(name, num_devices, 16, chunks=chunks))
 
 
 def test_a_read_of_a_value_not_in_flight_is_found():

@@ -76,7 +76,7 @@ def _traces_of_one_training_step(num_microbatches, schedule):
     return dict(TRACES)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "gpipe"])
 def test_each_stage_forward_and_backward_traced_once_whatever_the_microbatches(schedule):
     few = _traces_of_one_training_step(2, schedule)
     many = _traces_of_one_training_step(8, schedule)
@@ -134,12 +134,13 @@ def _while_loops(graph_def) -> int:
     return sum(node.op in ("While", "StatelessWhile") for node in graph_def.node)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
-def test_rolled_step_graph_is_the_same_size_whatever_the_microbatches(schedule):
+@pytest.mark.parametrize("schedule, loops", [("1f1b", 1), ("zb_h1", 1), ("gpipe", 2)])
+def test_rolled_step_graph_is_the_same_size_whatever_the_microbatches(schedule, loops):
+    # GPipe runs as two loops (every forward, then every backward), the others as one.
     sizes = {}
     for num_microbatches in (8, 16, 32):
         graph = _step_graph(num_microbatches, rolled=None, schedule=schedule, batch_size=64)
-        assert _while_loops(graph) == 1
+        assert _while_loops(graph) == loops
         sizes[num_microbatches] = _graph_size(graph)
     # Only the reads of each looped micro-batch's loss and outputs grow with m.
     assert sizes[32] - sizes[16] == 2 * (sizes[16] - sizes[8]), sizes

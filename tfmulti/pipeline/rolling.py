@@ -212,3 +212,26 @@ def _carries_one_shape(rolled: RolledSchedule) -> bool:
         return False
     after_loop = relabeled(before_loop, rolled.rounds * rolled.stride)
     return in_flight_after(rolled.epilogue, after_loop, num_stages) == set()
+
+
+def is_fill_drain(schedule: Schedule) -> bool:
+    """Whether every device runs all its forwards, then all its backwards, in micro-batch
+    order, on one stage of its own (GPipe): such a step runs as two loops, one per phase,
+    though what is in flight grows each round and so no single loop rolls it.
+
+    Example:
+        >>> is_fill_drain(gpipe(4, 8)), is_fill_drain(one_f_one_b(4, 8))
+        (True, False)
+    """
+    m = schedule.num_microbatches
+    if m < 2 or schedule.num_stages != schedule.num_devices:
+        return False
+    for device, actions in enumerate(schedule.device_actions):
+        stages = [stage for stage, owner in enumerate(schedule.stage_devices) if owner == device]
+        if len(stages) != 1:
+            return False
+        expected = [Action(FORWARD, stages[0], index) for index in range(m)]
+        expected += [Action(BACKWARD, stages[0], index) for index in range(m)]
+        if list(actions) != expected:
+            return False
+    return True

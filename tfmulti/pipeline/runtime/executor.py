@@ -31,7 +31,8 @@ from tfmulti.pipeline.actions import (
     Schedule,
 )
 from tfmulti.pipeline.dependencies import run_in_order
-from tfmulti.pipeline.rolling import roll_schedule
+from tfmulti.pipeline.rolling import is_fill_drain, roll_schedule
+from tfmulti.pipeline.runtime.phased_step import run_phased
 from tfmulti.pipeline.runtime.rolled_step import run_rolled
 from tfmulti.pipeline.runtime.stage_functions import Feed, StageFunctions, is_differentiable
 
@@ -142,6 +143,8 @@ class ScheduleExecutor:
             for index, stage in enumerate(self.stages)
         ]
         self.rolled = roll_schedule(schedule) if rolled is not False else None
+        # GPipe: no loop rolls it, but its two phases each run as one (`phased_step`).
+        self.fill_drain = rolled is not False and is_fill_drain(schedule)
 
     def set_jit_compile(self, jit_compile: bool) -> None:
         """Compiles every stage's functions with XLA, each for its own device (or stops)."""
@@ -166,10 +169,13 @@ class ScheduleExecutor:
             trace: also return start and end timestamps of every action.
         """
         run = _StepBuilder(self, microbatch_inputs, loss_fn, trace)
-        if self.rolled is not None and getattr(microbatch_inputs, "equal", False):
+        loops = self.rolled is not None or (self.fill_drain and not trace)
+        if loops and getattr(microbatch_inputs, "equal", False):
             traced_stages = self.traced_stages(microbatch_inputs[0])
-            if traced_stages is not None:
+            if traced_stages is not None and self.rolled is not None:
                 return run_rolled(run, self.rolled, traced_stages)
+            if traced_stages is not None:
+                return run_phased(run, traced_stages)
         for action in self.order:
             run.build(action)
         return run.result()

@@ -35,8 +35,8 @@ def run_rolled(builder, rolled: RolledSchedule, traced_stages):
     for action in rolled.prologue:
         builder.build(action)
     prologue_results = (dict(builder.outputs), dict(builder.losses))
-    sums = _GradientSums(builder, traced_stages, summed_stages)
-    outputs = _OutputArrays(traced_stages[-1], len(builder.inputs))
+    sums = GradientSums(builder, traced_stages, summed_stages)
+    outputs = OutputArrays(traced_stages[-1], len(builder.inputs))
     stamps = _StampArrays(rolled, builder.trace)
     stride = rolled.stride
     start_state = builder.carried_state()
@@ -112,7 +112,7 @@ def _prepare_functions(traced_stages, rolled: RolledSchedule) -> set[int]:
     return {action.stage for action in rolled.body if action.kind in (BACKWARD, WEIGHT_GRAD)}
 
 
-class _GradientSums:
+class GradientSums:
     """The weight-gradient sums of the stages the body works on, across the loop."""
 
     def __init__(self, builder, traced_stages, summed_stages: set[int]):
@@ -188,7 +188,7 @@ def _joined(first: tf.IndexedSlices, second: tf.IndexedSlices) -> tf.IndexedSlic
     )
 
 
-class _OutputArrays:
+class OutputArrays:
     """The last stage's outputs and losses of the looped micro-batches, by micro-batch."""
 
     def __init__(self, last_traced, num_microbatches: int):

@@ -95,6 +95,7 @@ class TracedStage:
         input_grads = traced["input_grads"]
         weight_grads = traced["weight_grads"]
         self.output_structure = traced["output_structure"]
+        self.input_specs = list(input_specs)
         self._output_specs = [tf.TensorSpec(t.shape, t.dtype) for t in flat_outputs]
         self.weights = traced["weights"]
         self.num_input_grads = len(input_grads)
@@ -134,6 +135,8 @@ class TracedStage:
             inputs, list(flat_outputs) + residuals, _unread_stateful_ops(forward_ops)
         )
         self.num_outputs = len(flat_outputs)
+        # What F returns for the backward, beside the outputs (a fill-drain step parks it).
+        self.residual_specs = [tf.TensorSpec(t.shape, t.dtype) for t in residuals]
         self.backward_feeds = [feed(t) for t in backward_needs]
 
         input_grad_ops, input_grad_needs = ops_between(input_grads, from_forward, captures)

@@ -1,0 +1,114 @@
+"""Runs a fill-drain schedule (GPipe) as two loops: every forward, then every backward.
+
+GPipe keeps each micro-batch's activations until the backward phase, so what is in flight
+grows every round and no single loop rolls it (`tfmulti.pipeline.rolling`). Its two phases
+each repeat one round, though: round i of the first runs every stage's forward on
+micro-batch i, round j of the second every stage's backward on micro-batch j, last stage
+first. Each phase is one `tf.while_loop` whose body is traced once, so the step holds 2p
+stage calls whatever m. What a forward leaves for its backward (inputs, residuals,
+outputs, the loss gradient) is parked in TensorArrays by micro-batch between the loops.
+
+Each device keeps the schedule's order: one token per device runs through both loops.
+Loop iterations overlap, so stage s works on micro-batch i + 1 while stage s + 1 works on
+i, as in the unrolled step. Gradient sums are summed as `rolled_step` sums them: dense
+ones as loop variables, sparse ones by round, joined in micro-batch order.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tfmulti.pipeline.actions import BACKWARD, FORWARD, Action
+from tfmulti.pipeline.runtime.rolled_step import GradientSums, OutputArrays
+
+
+def run_phased(builder, traced_stages):
+    """Builds the whole step of a fill-drain schedule with `builder` (an executor's step
+    builder whose micro-batch inputs take tensor indices) and returns its `StepResult`.
+
+    `traced_stages`: each stage's `TracedStage` for the micro-batches' signature.
+    """
+    count, stages = len(builder.inputs), range(len(traced_stages))
+    for traced in traced_stages:
+        traced.backward  # noqa: B018 - cut B before the loop, out of its graph
+    outputs = OutputArrays(traced_stages[-1], count)
+    start_gates = builder.carried_state()["gates"]
+
+    def forward_round(index, gates, parked, output_arrays):
+        _enter_round(builder, index, gates, {}, traced_stages)
+        for stage in stages:
+            builder.build(Action(FORWARD, stage, 0))
+        state = builder.carried_state()
+        flat = tf.nest.flatten(state["stash"])
+        parked = [array.write(index, t) for array, t in zip(parked, flat, strict=True)]
+        return index + 1, state["gates"], parked, outputs.write(output_arrays, builder)
+
+    stash_structure, parked = _parking(traced_stages, count)
+    _, gates, parked, output_arrays = tf.while_loop(
+        lambda index, *unused: index < count,
+        forward_round,
+        (tf.constant(0), start_gates, parked, outputs.new_arrays()),
+        parallel_iterations=min(count, 64),
+        maximum_iterations=count,
+    )
+
+    builder.accumulated = {}
+    sums = GradientSums(builder, traced_stages, set(stages))
+
+    def backward_round(index, gates, dense_sums, sparse_arrays):
+        flat = [array.read(index) for array in parked]
+        stash = tf.nest.pack_sequence_as(stash_structure, flat)
+        _enter_round(builder, index, gates, stash, traced_stages)
+        sums.enter_round(dense_sums)
+        for stage in reversed(stages):
+            builder.build(Action(BACKWARD, stage, 0))
+        return (
+            index + 1,
+            builder.carried_state()["gates"],
+            sums.round_dense(),
+            sums.write_round(sparse_arrays, index),
+        )
+
+    _, gates, dense_sums, sparse_arrays = tf.while_loop(
+        lambda index, *unused: index < count,
+        backward_round,
+        (tf.constant(0), gates, sums.start_dense(), sums.new_arrays()),
+        parallel_iterations=min(count, 64),
+        maximum_iterations=count,
+    )
+    _enter_round(builder, None, gates, {}, traced_stages)
+    builder.outputs, builder.losses = {}, {}
+    outputs.read(output_arrays, range(count), builder)
+    sums.leave_loop(dense_sums, sparse_arrays)
+    return builder.result()
+
+
+def _enter_round(builder, index, gates, stash, traced_stages) -> None:
+    """Sets `builder` to work on micro-batch `index` (labels 0) with `stash` in flight;
+    `index` None leaves the loops (labels are micro-batches again)."""
+    state = {"stash": stash, "gradient": {}, "carry": {}, "gates": gates}
+    builder.restore_state(state, traced_stages)
+    builder.index_of = (lambda label: label) if index is None else (lambda label: label + index)
+    builder.outputs, builder.losses = {}, {}
+
+
+def _parking(traced_stages, count: int):
+    """The structure of one round's stash (every stage's forward on micro-batch label 0)
+    and one TensorArray, by micro-batch, per tensor of it: per stage its inputs,
+    residuals and flat outputs, and for the last stage the loss gradient."""
+    structure, specs = {}, []
+    last = len(traced_stages) - 1
+    for stage, traced in enumerate(traced_stages):
+        output_specs, _ = traced.output_specs()
+        grad_specs = [spec for spec in output_specs if spec.dtype.is_floating]
+        parts = (
+            traced.input_specs,
+            traced.residual_specs,
+            output_specs,
+            grad_specs if stage == last else [],
+        )
+        structure[(stage, 0)] = tuple([0] * len(part) for part in parts)
+        for part in parts:
+            specs.extend(part)
+    arrays = [tf.TensorArray(spec.dtype, size=count, element_shape=spec.shape) for spec in specs]
+    return structure, arrays
