@@ -169,7 +169,7 @@ class ScheduleExecutor:
             trace: also return start and end timestamps of every action.
         """
         run = _StepBuilder(self, microbatch_inputs, loss_fn, trace)
-        loops = self.rolled is not None or (self.fill_drain and not trace)
+        loops = self.rolled is not None or self.fill_drain
         if loops and getattr(microbatch_inputs, "equal", False):
             traced_stages = self.traced_stages(microbatch_inputs[0])
             if traced_stages is not None and self.rolled is not None:

@@ -8,6 +8,7 @@ first. Each phase is one `tf.while_loop` whose body is traced once, so the step 
 stage calls whatever m. What a forward leaves for its backward (inputs, residuals,
 outputs, the loss gradient) is parked in TensorArrays by micro-batch between the loops.
 
+Measured timelines record each round's start and end of every action, by micro-batch.
 Each device keeps the schedule's order: one token per device runs through both loops.
 Loop iterations overlap, so stage s works on micro-batch i + 1 while stage s + 1 works on
 i, as in the unrolled step. Gradient sums are summed as `rolled_step` sums them: dense
@@ -33,21 +34,26 @@ def run_phased(builder, traced_stages):
         traced.backward  # noqa: B018 - cut B before the loop, out of its graph
     outputs = OutputArrays(traced_stages[-1], count)
     start_gates = builder.carried_state()["gates"]
+    forwards = _PhaseStamps([Action(FORWARD, stage, 0) for stage in stages], count, builder)
+    backwards = _PhaseStamps(
+        [Action(BACKWARD, stage, 0) for stage in reversed(stages)], count, builder
+    )
 
-    def forward_round(index, gates, parked, output_arrays):
+    def forward_round(index, gates, parked, output_arrays, stamp_arrays):
         _enter_round(builder, index, gates, {}, traced_stages)
-        for stage in stages:
-            builder.build(Action(FORWARD, stage, 0))
+        for action in forwards.actions:
+            builder.build(action)
         state = builder.carried_state()
         flat = tf.nest.flatten(state["stash"])
         parked = [array.write(index, t) for array, t in zip(parked, flat, strict=True)]
-        return index + 1, state["gates"], parked, outputs.write(output_arrays, builder)
+        output_arrays = outputs.write(output_arrays, builder)
+        return index + 1, state["gates"], parked, output_arrays, forwards.write(stamp_arrays, index)
 
     stash_structure, parked = _parking(traced_stages, count)
-    _, gates, parked, output_arrays = tf.while_loop(
+    _, gates, parked, output_arrays, forward_stamps = tf.while_loop(
         lambda index, *unused: index < count,
         forward_round,
-        (tf.constant(0), start_gates, parked, outputs.new_arrays()),
+        (tf.constant(0), start_gates, parked, outputs.new_arrays(), forwards.new_arrays()),
         parallel_iterations=min(count, 64),
         maximum_iterations=count,
     )
@@ -55,32 +61,65 @@ def run_phased(builder, traced_stages):
     builder.accumulated = {}
     sums = GradientSums(builder, traced_stages, set(stages))
 
-    def backward_round(index, gates, dense_sums, sparse_arrays):
+    def backward_round(index, gates, dense_sums, sparse_arrays, stamp_arrays):
         flat = [array.read(index) for array in parked]
         stash = tf.nest.pack_sequence_as(stash_structure, flat)
         _enter_round(builder, index, gates, stash, traced_stages)
         sums.enter_round(dense_sums)
-        for stage in reversed(stages):
-            builder.build(Action(BACKWARD, stage, 0))
+        for action in backwards.actions:
+            builder.build(action)
         return (
             index + 1,
             builder.carried_state()["gates"],
             sums.round_dense(),
             sums.write_round(sparse_arrays, index),
+            backwards.write(stamp_arrays, index),
         )
 
-    _, gates, dense_sums, sparse_arrays = tf.while_loop(
+    _, gates, dense_sums, sparse_arrays, backward_stamps = tf.while_loop(
         lambda index, *unused: index < count,
         backward_round,
-        (tf.constant(0), gates, sums.start_dense(), sums.new_arrays()),
+        (tf.constant(0), gates, sums.start_dense(), sums.new_arrays(), backwards.new_arrays()),
         parallel_iterations=min(count, 64),
         maximum_iterations=count,
     )
     _enter_round(builder, None, gates, {}, traced_stages)
-    builder.outputs, builder.losses = {}, {}
     outputs.read(output_arrays, range(count), builder)
     sums.leave_loop(dense_sums, sparse_arrays)
+    forwards.read(forward_stamps)
+    backwards.read(backward_stamps)
     return builder.result()
+
+
+class _PhaseStamps:
+    """When the step is traced for a timeline: each round's start and end of `actions`
+    (labelled micro-batch 0), by micro-batch, read back as the actions of every one."""
+
+    def __init__(self, actions: list, count: int, builder):
+        self.actions, self.count, self.builder = actions, count, builder
+        self.recorded = actions if builder.trace else []
+
+    def new_arrays(self) -> list:
+        return [
+            (
+                tf.TensorArray(tf.float64, size=self.count),
+                tf.TensorArray(tf.float64, size=self.count),
+            )
+            for _ in self.recorded
+        ]
+
+    def write(self, arrays, index) -> list:
+        written = []
+        for action, (starts, ends) in zip(self.recorded, arrays, strict=True):
+            start, end = self.builder.stamps.pop(action)
+            written.append((starts.write(index, start), ends.write(index, end)))
+        return written
+
+    def read(self, arrays) -> None:
+        for index in range(self.count):
+            for action, (starts, ends) in zip(self.recorded, arrays, strict=True):
+                stamped = Action(action.kind, action.stage, index)
+                self.builder.stamps[stamped] = (starts.read(index), ends.read(index))
 
 
 def _enter_round(builder, index, gates, stash, traced_stages) -> None:
