@@ -1,7 +1,7 @@
 """Benchmark: how long a pipeline takes to its first finished training step.
 
 For the reference Transformer (tokens of length 32, vocabulary 64, batch 64) at each of
-`--layers`, one device and a `--num_devices`-stage 1F1B pipeline at each of
+`--layers`, one device and a `--num_devices`-stage pipeline (`--schedule`, 1F1B) at each of
 `--microbatches` (uniform partition), plus a hybrid `data=2,pipe=2` copy at the first and
 the largest m that gives each replica's micro-batches a row:
 seconds to trace the training step, seconds to its first finished run (graph
@@ -35,6 +35,9 @@ SEQUENCE, VOCAB = 32, 64
 flags.DEFINE_list("layers", ["6", "12"], "Transformer layers of each model measured.")
 flags.DEFINE_list("microbatches", ["4", "8", "16", "32", "64"], "Pipeline micro-batch counts m.")
 flags.DEFINE_integer("num_devices", 4, "Pipeline stages p (one per device).", lower_bound=2)
+flags.DEFINE_enum(
+    "schedule", "1f1b", ("1f1b", "gpipe", "zb_h1"), "Schedule of the pipeline and hybrid runs."
+)
 flags.DEFINE_integer("batch_size", 64, "Rows per training step.", lower_bound=1)
 flags.DEFINE_boolean("hybrid", True, "Also measure a data=2,pipe=2 hybrid model.")
 flags.DEFINE_integer(
@@ -69,9 +72,9 @@ def _build(kind: str, layers: int, microbatches: int):
 
     if kind == "pipeline":
         p = FLAGS.num_devices
-        return PipelineModel(make_stages(p), devices[:p], microbatches, "1f1b")
+        return PipelineModel(make_stages(p), devices[:p], microbatches, FLAGS.schedule)
     return HybridPipelineModel(
-        lambda: make_stages(2), [devices[0:2], devices[2:4]], microbatches, "1f1b"
+        lambda: make_stages(2), [devices[0:2], devices[2:4]], microbatches, FLAGS.schedule
     )
 
 
@@ -123,6 +126,7 @@ def measure(kind: str, layers: int, microbatches: int) -> dict:
         "benchmark": "startup",
         "kind": kind,
         "grappler_once": FLAGS.grappler_once and kind != "one_device",
+        "schedule": None if kind == "one_device" else FLAGS.schedule,
         "layers": layers,
         "microbatches": microbatches,
         "trace_s": trace_s,
@@ -160,6 +164,7 @@ def _run_fresh(kind: str, layers: int, microbatches: int) -> dict:
     command = [sys.executable, os.path.abspath(__file__), f"--only={kind}:{layers}:{microbatches}"]
     command += [f"--num_devices={FLAGS.num_devices}", f"--batch_size={FLAGS.batch_size}"]
     command += [f"--steady_steps={FLAGS.steady_steps}", f"--grappler_once={FLAGS.grappler_once}"]
+    command += [f"--schedule={FLAGS.schedule}"]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"{kind} layers={layers} m={microbatches} failed:\n{result.stderr}")
@@ -187,7 +192,7 @@ def plot(records: list[dict], path: str) -> None:
             [r["first_step_cpu_s"] for r in pipeline],
             "o-",
             color=color,
-            label=f"pipeline p={FLAGS.num_devices}, {layers} layers",
+            label=f"{FLAGS.schedule} pipeline p={FLAGS.num_devices}, {layers} layers",
         )
         axis.plot(
             [r["microbatches"] for r in pipeline],
