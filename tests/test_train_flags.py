@@ -30,6 +30,7 @@ BAD_FLAGS = [
     ("--worker_hosts=localhost:1234", "task_index"),
     ("--model_option=num_layers", "model_option"),
     ("--jit_compile", "jit_compile"),  # with the default --strategy=mirrored
+    ("--norolled", "rolled"),
 ]
 
 

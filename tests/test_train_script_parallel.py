@@ -28,12 +28,16 @@ from script_runner import (
 )
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
-def test_pipeline_script_trains_like_one_device(tmp_path, one_device_metrics, schedule):
+@pytest.mark.parametrize(
+    "schedule, rolled",
+    [("gpipe", "--rolled"), ("gpipe", "--norolled"), ("1f1b", "--rolled"), ("zb_h1", "--rolled")],
+)
+def test_pipeline_script_trains_like_one_device(tmp_path, one_device_metrics, schedule, rolled):
     model_dir = str(tmp_path / "run")
     result = run_script(
         "train.py",
         *TWO_EPOCHS,
+        rolled,
         "--strategy=pipeline",
         "--virtual_devices=4",
         "--num_stages=2",

@@ -51,6 +51,7 @@ class TrainConfig:
     partition: str = "uniform"
     remeasure_partition: bool = False
     remat: bool = False
+    rolled: bool = True
     trace_steps: tuple[int, int] | None = None
     placement: str | None = None
     mesh: str | None = None

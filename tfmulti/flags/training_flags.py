@@ -231,6 +231,13 @@ def define_pipeline_flags() -> None:
         "the stages those timings cut).",
     )
     flags.DEFINE_boolean("remat", False, "Recompute each stage's forward in its backward.")
+    flags.DEFINE_boolean(
+        "rolled",
+        True,
+        "With --strategy=pipeline: run the schedule's repeating rounds as loops (start-up "
+        "that does not grow with --microbatches; each round costs a few ms of loop "
+        "control); --norolled traces every action.",
+    )
     flags.DEFINE_string(
         "placement",
         None,
@@ -391,6 +398,11 @@ def define_train_flags() -> None:
         "drop --jit_compile, or use --strategy=one_device or pipeline",
     )
     flags.register_multi_flags_validator(
+        ["strategy", "rolled"],
+        lambda values: values["rolled"] or values["strategy"] == "pipeline",
+        message="--norolled goes with --strategy=pipeline (hybrid steps always roll)",
+    )
+    flags.register_multi_flags_validator(
         ["mesh", "jit_compile"],
         lambda values: not values["jit_compile"] or _mesh_tensor_size(values["mesh"]) == 1,
         message="--jit_compile does not go with a --mesh of tensor > 1 (XLA compiles a stage "
@@ -445,6 +457,7 @@ def config_from_flags() -> TrainConfig:
         partition=FLAGS.partition,
         remeasure_partition=FLAGS.remeasure_partition,
         remat=FLAGS.remat,
+        rolled=FLAGS.rolled,
         trace_steps=parse_step_range(FLAGS.trace_steps) if FLAGS.trace_steps else None,
         placement=FLAGS.placement,
         mesh=FLAGS.mesh,

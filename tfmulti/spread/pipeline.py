@@ -148,6 +148,7 @@ def build_staged_model(
             chunks=chunks,
             partition=model_partition(config.partition),
             remat=config.remat,
+            rolled=None if config.rolled else False,
             sample_input=sample_x[: config.batch_size // num_microbatches],
             cost_cache=partition_cost_cache(config),
         )
@@ -171,6 +172,7 @@ def build_staged_model(
         num_microbatches,
         schedule,
         remat=config.remat,
+        rolled=None if config.rolled else False,
     )
     if seconds is not None:
         setattr(model, MEASURED_SECONDS_ATTRIBUTE, seconds)

@@ -44,17 +44,17 @@ def run_phased(builder, traced_stages):
         for action in forwards.actions:
             builder.build(action)
         state = builder.carried_state()
-        flat = tf.nest.flatten(state["stash"])
-        parked = [array.write(index, t) for array, t in zip(parked, flat, strict=True)]
+        parked = parking.write(parked, state["stash"], index)
         output_arrays = outputs.write(output_arrays, builder)
         return index + 1, state["gates"], parked, output_arrays, forwards.write(stamp_arrays, index)
 
-    stash_structure, parked = _parking(traced_stages, count)
+    parking = _Parking(traced_stages, builder.executor.stage_device_names, count)
+    parked = parking.new_arrays()
     _, gates, parked, output_arrays, forward_stamps = tf.while_loop(
         lambda index, *unused: index < count,
         forward_round,
         (tf.constant(0), start_gates, parked, outputs.new_arrays(), forwards.new_arrays()),
-        parallel_iterations=min(count, 64),
+        parallel_iterations=int(__import__("os").environ.get("EXP_PI", min(count, 64))),
         maximum_iterations=count,
     )
 
@@ -62,9 +62,7 @@ def run_phased(builder, traced_stages):
     sums = GradientSums(builder, traced_stages, set(stages))
 
     def backward_round(index, gates, dense_sums, sparse_arrays, stamp_arrays):
-        flat = [array.read(index) for array in parked]
-        stash = tf.nest.pack_sequence_as(stash_structure, flat)
-        _enter_round(builder, index, gates, stash, traced_stages)
+        _enter_round(builder, index, gates, parking.read(parked, index), traced_stages)
         sums.enter_round(dense_sums)
         for action in backwards.actions:
             builder.build(action)
@@ -80,7 +78,7 @@ def run_phased(builder, traced_stages):
         lambda index, *unused: index < count,
         backward_round,
         (tf.constant(0), gates, sums.start_dense(), sums.new_arrays(), backwards.new_arrays()),
-        parallel_iterations=min(count, 64),
+        parallel_iterations=int(__import__("os").environ.get("EXP_PI", min(count, 64))),
         maximum_iterations=count,
     )
     _enter_round(builder, None, gates, {}, traced_stages)
@@ -131,23 +129,58 @@ def _enter_round(builder, index, gates, stash, traced_stages) -> None:
     builder.outputs, builder.losses = {}, {}
 
 
-def _parking(traced_stages, count: int):
-    """The structure of one round's stash (every stage's forward on micro-batch label 0)
-    and one TensorArray, by micro-batch, per tensor of it: per stage its inputs,
-    residuals and flat outputs, and for the last stage the loss gradient."""
-    structure, specs = {}, []
-    last = len(traced_stages) - 1
-    for stage, traced in enumerate(traced_stages):
-        output_specs, _ = traced.output_specs()
-        grad_specs = [spec for spec in output_specs if spec.dtype.is_floating]
-        parts = (
-            traced.input_specs,
-            traced.residual_specs,
-            output_specs,
-            grad_specs if stage == last else [],
-        )
-        structure[(stage, 0)] = tuple([0] * len(part) for part in parts)
-        for part in parts:
-            specs.extend(part)
-    arrays = [tf.TensorArray(spec.dtype, size=count, element_shape=spec.shape) for spec in specs]
-    return structure, arrays
+class _Parking:
+    """TensorArrays, by micro-batch, for what every stage's forward leaves for its
+    backward: per stage its inputs, residuals and flat outputs, and for the last stage
+    the loss gradient. Each stage's arrays live on its device and are written and read
+    there, so nothing parked crosses devices."""
+
+    def __init__(self, traced_stages, stage_device_names, count: int):
+        self.devices, self.count = list(stage_device_names), count
+        self.specs = []  # per stage: its parts' specs
+        last = len(traced_stages) - 1
+        for stage, traced in enumerate(traced_stages):
+            output_specs, _ = traced.output_specs()
+            grad_specs = [spec for spec in output_specs if spec.dtype.is_floating]
+            parts = (
+                list(traced.input_specs),
+                list(traced.residual_specs),
+                list(output_specs),
+                grad_specs if stage == last else [],
+            )
+            self.specs.append(parts)
+
+    def new_arrays(self) -> list:
+        arrays = []
+        for device, parts in zip(self.devices, self.specs, strict=True):
+            with tf.device(device):
+                arrays.append(
+                    [
+                        tf.TensorArray(spec.dtype, size=self.count, element_shape=spec.shape)
+                        for part in parts
+                        for spec in part
+                    ]
+                )
+        return arrays
+
+    def write(self, arrays, stash: dict, index) -> list:
+        written = []
+        for stage, (device, stage_arrays) in enumerate(zip(self.devices, arrays, strict=True)):
+            flat = [t for part in stash[(stage, 0)] for t in part]
+            with tf.device(device):
+                written.append(
+                    [array.write(index, t) for array, t in zip(stage_arrays, flat, strict=True)]
+                )
+        return written
+
+    def read(self, arrays, index) -> dict:
+        stash = {}
+        for stage, (device, stage_arrays) in enumerate(zip(self.devices, arrays, strict=True)):
+            with tf.device(device):
+                flat = [array.read(index) for array in stage_arrays]
+            parts, start = [], 0
+            for part in self.specs[stage]:
+                parts.append(flat[start : start + len(part)])
+                start += len(part)
+            stash[(stage, 0)] = tuple(parts)
+        return stash
