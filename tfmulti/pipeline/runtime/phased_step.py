@@ -54,7 +54,7 @@ def run_phased(builder, traced_stages):
         lambda index, *unused: index < count,
         forward_round,
         (tf.constant(0), start_gates, parked, outputs.new_arrays(), forwards.new_arrays()),
-        parallel_iterations=int(__import__("os").environ.get("EXP_PI", min(count, 64))),
+        parallel_iterations=min(count, 64),
         maximum_iterations=count,
     )
 
@@ -78,7 +78,7 @@ def run_phased(builder, traced_stages):
         lambda index, *unused: index < count,
         backward_round,
         (tf.constant(0), gates, sums.start_dense(), sums.new_arrays(), backwards.new_arrays()),
-        parallel_iterations=int(__import__("os").environ.get("EXP_PI", min(count, 64))),
+        parallel_iterations=min(count, 64),
         maximum_iterations=count,
     )
     _enter_round(builder, None, gates, {}, traced_stages)
