@@ -36,6 +36,13 @@ def run_script(script: str, *args: str, timeout: float = 300, env: dict | None =
     )
 
 
+def one_line_error(result, returncode: int) -> str:
+    """Asserts the script exited with `returncode` and no traceback; returns its last line."""
+    assert result.returncode == returncode, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    return last_line(result.stderr)
+
+
 def last_line(text: str) -> str:
     """The last non-empty line of `text` (TensorFlow may log above it)."""
     lines = [line for line in text.splitlines() if line.strip()]
