@@ -180,7 +180,7 @@ def plot(records: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(7, 4.5))
+    figure, axis = plt.subplots(figsize=(10, 4.5))
     for index, layers in enumerate(sorted({r["layers"] for r in records})):
         color = f"C{index}"
         pipeline = sorted(
@@ -220,7 +220,7 @@ def plot(records: list[dict], path: str) -> None:
     axis.set_xlabel("micro-batches m")
     axis.set_ylabel("CPU seconds to the first finished step(s)")
     axis.set_ylim(bottom=0)
-    axis.legend()
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     axis.set_title("Start-up: trace, optimise and run one training step")
     figure.tight_layout()
     figure.savefig(path)
