@@ -89,7 +89,11 @@ def test_max_restarts_restarts_the_whole_group_which_then_succeeds(tmp_path):
     assert "worker 1 exited with code 3" in result.stderr
     assert "restarting all workers (1/1)" in result.stderr
     assert len(list(pid_dir.iterdir())) == 4  # two attempts of two workers
-    assert result.stdout.count("done") == 2
+    # Both workers of the second attempt finish. Worker 0 of the first may finish too
+    # before worker 1 fails (it runs 0.5 s, worker 1 fails 0.3 s after starting, and a
+    # loaded machine can start worker 1 late): "done" twice or three times.
+    assert result.stdout.count("done") in (2, 3), result.stdout
+    assert result.stdout.count("[worker 1] done") == 1
     assert_no_survivors(pid_dir)
 
 
