@@ -137,24 +137,22 @@ def build_blocks(
     return spec.build_blocks(tuple(input_shape), num_outputs, seed, **options)
 
 
-def _kind_of(value) -> type | None:
-    """The kind of value an option takes, from its default (None: not checked)."""
-    if isinstance(value, bool):
-        return bool
-    if isinstance(value, int | float):
-        return type(value)
-    if isinstance(value, tuple | list):
-        return tuple
-    return str if isinstance(value, str) else None
-
-
-# What each kind of option takes, and an example value.
+# The kinds of value an option takes, by its default's type: a test of a given value,
+# what to say it takes, and an example. A default of another type is not checked.
 _KINDS = {
-    bool: ("True or False", "True"),
-    int: ("an integer", "4"),
-    float: ("a number", "0.1"),
-    tuple: ("a tuple of sizes", "'(64, 64)'"),
-    str: ("a name", "relu"),
+    bool: (lambda value: isinstance(value, bool), "True or False", "True"),
+    int: (
+        lambda value: isinstance(value, int) and not isinstance(value, bool),
+        "an integer",
+        "4",
+    ),
+    float: (
+        lambda value: isinstance(value, int | float) and not isinstance(value, bool),
+        "a number",
+        "0.1",
+    ),
+    tuple: (lambda value: isinstance(value, tuple | list), "a tuple of sizes", "'(64, 64)'"),
+    str: (lambda value: isinstance(value, str), "a name", "relu"),
 }
 
 
@@ -163,17 +161,10 @@ def _check_option_types(name: str, options: dict) -> None:
     (an int where a tuple of sizes goes, a float where a count goes)."""
     parameters = inspect.signature(model_spec(name).build_blocks).parameters
     for option, value in options.items():
-        kind = _kind_of(parameters[option].default)
-        fits = {
-            None: True,
-            bool: isinstance(value, bool),
-            int: isinstance(value, int) and not isinstance(value, bool),
-            float: isinstance(value, int | float) and not isinstance(value, bool),
-            tuple: isinstance(value, tuple | list),
-            str: isinstance(value, str),
-        }[kind]
-        if not fits:
-            wanted, example = _KINDS[kind]
+        default = parameters[option].default
+        kind = tuple if isinstance(default, list) else type(default)
+        if kind in _KINDS and not _KINDS[kind][0](value):
+            _, wanted, example = _KINDS[kind]
             raise ValueError(
                 f"Model {name!r} option {option!r} takes {wanted}, e.g. "
                 f"--model_option={option}={example}. Received: {option}={value!r}"

@@ -177,23 +177,18 @@ def _is_partition_spec(text: str) -> bool:
     return True
 
 
+def _parsed_mesh(text: str):
+    """The mesh `text` names, or None when it does not parse (`_is_mesh` reports that)."""
+    from tfmulti.mesh import MeshError, parse_mesh
+
+    try:
+        return parse_mesh(text)
+    except MeshError:
+        return None
+
+
 def _is_mesh(text: str | None) -> bool:
-    from tfmulti.mesh import MeshError, parse_mesh
-
-    try:
-        return text is None or bool(parse_mesh(text))
-    except MeshError:
-        return False
-
-
-def _mesh_tensor_size(text: str | None) -> int:
-    """The tensor axis of --mesh (1 when unset or unreadable: `_is_mesh` reports that)."""
-    from tfmulti.mesh import MeshError, parse_mesh
-
-    try:
-        return 1 if text is None else parse_mesh(text).tensor
-    except MeshError:
-        return 1
+    return text is None or _parsed_mesh(text) is not None
 
 
 @flag_group("pipeline, model, tensor and hybrid parallelism")
@@ -404,7 +399,11 @@ def define_train_flags() -> None:
     )
     flags.register_multi_flags_validator(
         ["mesh", "jit_compile"],
-        lambda values: not values["jit_compile"] or _mesh_tensor_size(values["mesh"]) == 1,
+        lambda values: (
+            not values["jit_compile"]
+            or values["mesh"] is None
+            or getattr(_parsed_mesh(values["mesh"]), "tensor", 1) == 1
+        ),
         message="--jit_compile does not go with a --mesh of tensor > 1 (XLA compiles a stage "
         "for one device, a tensor group spans several); drop --jit_compile or use tensor=1",
     )

@@ -174,7 +174,7 @@ class ScheduleExecutor:
             traced_stages = self.traced_stages(microbatch_inputs[0])
             if traced_stages is not None and self.rolled is not None:
                 return run_rolled(run, self.rolled, traced_stages)
-            if traced_stages is not None:
+            if traced_stages is not None:  # a fill-drain schedule: GPipe's two loops
                 return run_phased(run, traced_stages)
         for action in self.order:
             run.build(action)
