@@ -150,6 +150,28 @@ def test_rolled_step_graph_is_the_same_size_whatever_the_microbatches(schedule, 
     assert sizes[32] < unrolled / 2, (sizes, unrolled)
 
 
+def _stage_calls(graph_def) -> int:
+    """Calls of a stage's cut functions (F, B, I, W) anywhere in the step."""
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    return sum(
+        node.op in ("PartitionedCall", "StatefulPartitionedCall")
+        and node.attr["f"].func.name.startswith("__inference_piece")
+        for node in nodes
+    )
+
+
+@pytest.mark.parametrize("schedule, calls", [("1f1b", 2 * NUM_DEVICES), ("zb_h1", 3 * NUM_DEVICES)])
+def test_a_guarded_loop_calls_each_stage_function_once_in_the_whole_step(schedule, calls):
+    # Warm-up and cool-down run in the loop too, skipped action by action: the step holds
+    # one call per stage function (F and B, or F, I and W), at any m; the steady-state loop
+    # also traced its prologue and epilogue, action by action.
+    for num_microbatches in (4, 16):
+        graph = _step_graph(num_microbatches, rolled=None, schedule=schedule)
+        assert _stage_calls(graph) == calls, num_microbatches
+        assert _while_loops(graph) == 1
+    assert _stage_calls(_step_graph(16, rolled=False, schedule=schedule)) == calls * 16
+
+
 def test_stage_functions_train_like_one_device():
     x, y = regression_batches(1, BATCH_SIZE)[0]
     pipeline = _built_pipeline(4, "zb_h1")

@@ -28,6 +28,7 @@ from tfmulti.pipeline.actions import (
     Schedule,
 )
 from tfmulti.pipeline.dependencies import run_in_order
+from tfmulti.pipeline.schedules import SCHEDULE_NAMES, build_schedule
 
 STASH, GRADIENT, CARRY = "stash", "gradient", "carry"
 
@@ -44,6 +45,15 @@ class RolledSchedule:
         rounds: how many times the body runs (R >= 2).
         stride: micro-batches each round moves on.
         epilogue: actions after the loop.
+        guarded: the loop also runs the warm-up and cool-down (`guard_roll`): prologue and
+            epilogue are empty, and a round skips each body action whose micro-batch is
+            outside the schedule's.
+        first_round: for a guarded roll, the round of the steady loop that the first round
+            runs (<= 0): round r runs each body action with `microbatch + (r + first_round)
+            * stride`.
+        start_in_flight: for a guarded roll, the values in flight before round 0, labelled
+            as the body labels them; all are on micro-batches before the first, so the loop
+            starts them as zeros.
     """
 
     schedule: Schedule
@@ -52,11 +62,31 @@ class RolledSchedule:
     rounds: int
     stride: int
     epilogue: tuple[Action, ...]
+    guarded: bool = False
+    first_round: int = 0
+    start_in_flight: frozenset = frozenset()
+
+    def microbatch_in_round(self, label, round_index):
+        """The micro-batch that body label `label` stands for in round `round_index` (in a
+        guarded roll, possibly outside the schedule's); ints or tensors."""
+        return label + (round_index + self.first_round) * self.stride
 
     def round_actions(self, round_index: int) -> list[Action]:
-        """The body's actions as round `round_index` runs them."""
-        shift = round_index * self.stride
-        return [shifted(action, shift) for action in self.body]
+        """The body's actions as round `round_index` runs them (without skipped ones)."""
+        return [
+            Action(action.kind, action.stage, microbatch)
+            for action in self.body
+            if 0
+            <= (microbatch := self.microbatch_in_round(action.microbatch, round_index))
+            < self.schedule.num_microbatches
+        ]
+
+    def rounds_run(self, action: Action) -> range:
+        """The rounds in which body `action` runs (every round unless guarded)."""
+        first = -((action.microbatch + self.first_round * self.stride) // self.stride)
+        last = (self.schedule.num_microbatches - 1 - action.microbatch) // self.stride
+        last -= self.first_round
+        return range(max(first, 0), min(last, self.rounds - 1) + 1)
 
     def unrolled(self) -> list[Action]:
         """Every action in the order the rolled step runs them."""
@@ -67,6 +97,80 @@ class RolledSchedule:
     def traced_actions(self) -> int:
         """Actions a rolled step traces: prologue, body once, epilogue."""
         return len(self.prologue) + len(self.body) + len(self.epilogue)
+
+
+def loop_schedule(schedule: Schedule) -> RolledSchedule | None:
+    """The loop a step runs `schedule` as: guarded (`guard_roll`, the whole schedule in
+    one loop) where that checks out and traces fewer actions than the schedule has, else
+    its steady state (`roll_schedule`), else None.
+
+    Example:
+        >>> rolled = loop_schedule(one_f_one_b(4, 32))
+        >>> rolled.guarded, rolled.traced_actions, rolled.rounds
+        (True, 8, 36)
+    """
+    steady = roll_schedule(schedule, min_rounds=1)
+    guarded = guard_roll(steady) if steady else _guard_from_longer(schedule)
+    if guarded and guarded.traced_actions < sum(map(len, schedule.device_actions)):
+        return guarded
+    return roll_schedule(schedule)
+
+
+def _guard_from_longer(schedule: Schedule) -> RolledSchedule | None:
+    """A guarded loop of `schedule` found on the same schedule with more micro-batches:
+    with m <= p, 1F1B has no steady state of its own, but each device's order is the
+    longer schedule's with the extra micro-batches left out."""
+    if schedule.name not in SCHEDULE_NAMES:
+        return None
+    chunks = schedule.num_stages // schedule.num_devices
+    longer_m = schedule.num_microbatches + 2 * schedule.num_stages
+    try:
+        longer = build_schedule(
+            schedule.name, schedule.num_devices, longer_m, chunks=chunks if chunks > 1 else None
+        )
+    except ValueError:
+        return None
+    steady = roll_schedule(longer, min_rounds=1)
+    return steady and guard_roll(dataclasses.replace(steady, schedule=schedule))
+
+
+def guard_roll(rolled: RolledSchedule) -> RolledSchedule | None:
+    """`rolled`'s loop run over the whole schedule, warm-up and cool-down included, or None.
+
+    The body runs from the first round in which one of its actions reaches micro-batch 0
+    to the last in which one reaches the last micro-batch; actions outside the schedule's
+    micro-batches are skipped. That gives each device's order back only for some
+    schedules (1F1B: device s runs F(r) and B(r - (p - 1 - s)), so its warm-up forwards
+    are the rounds whose B is skipped), so the result is checked like a roll: every action
+    once, each device's order, every read finds its value, and what is in flight before
+    and after the loop lies wholly outside the micro-batches.
+    """
+    schedule, stride = rolled.schedule, rolled.stride
+    m = schedule.num_microbatches
+    first = min(-(action.microbatch // stride) for action in rolled.body)
+    last = max((m - 1 - action.microbatch) // stride for action in rolled.body)
+    before_loop = in_flight_after(rolled.prologue, set(), schedule.num_stages)
+    guarded = dataclasses.replace(
+        rolled,
+        prologue=(),
+        epilogue=(),
+        rounds=last - first + 1,
+        guarded=True,
+        first_round=first,
+        start_in_flight=frozenset(before_loop),
+    )
+    start = relabeled(before_loop, first * stride)
+    end = relabeled(before_loop, (first + guarded.rounds) * stride)
+    outside = lambda values: all(not 0 <= mb < m for _, _, mb in values)  # noqa: E731
+    order = guarded.unrolled()
+    checks = (
+        outside(start)
+        and outside(end)
+        and sorted(order) == sorted(a for actions in schedule.device_actions for a in actions)
+        and _keeps_device_order(guarded)
+        and in_flight_after(order, set(), schedule.num_stages) == set()
+    )
+    return guarded if checks else None
 
 
 def shifted(action: Action, microbatches: int) -> Action:

@@ -31,7 +31,7 @@ from tfmulti.pipeline.actions import (
     Schedule,
 )
 from tfmulti.pipeline.dependencies import run_in_order
-from tfmulti.pipeline.rolling import is_fill_drain, roll_schedule
+from tfmulti.pipeline.rolling import is_fill_drain, loop_schedule
 from tfmulti.pipeline.runtime.phased_step import run_phased
 from tfmulti.pipeline.runtime.rolled_step import run_rolled
 from tfmulti.pipeline.runtime.stage_functions import Feed, StageFunctions, is_differentiable
@@ -83,7 +83,9 @@ def _timestamp(after: Sequence[tf.Tensor]) -> tf.Tensor:
     chained across devices by tf.function's automatic control dependencies.
     """
     tokens = [tf.reshape(tensor, [-1])[:1] for tensor in after]
-    return tf.numpy_function(_now, tokens, tf.float64, stateful=False)
+    stamp = tf.numpy_function(_now, tokens, tf.float64, stateful=False)
+    stamp.set_shape([])
+    return stamp
 
 
 def add_gradients(first, second):
@@ -119,9 +121,10 @@ class ScheduleExecutor:
         schedule: the schedule to run.
         remat: per stage, whether its backward replays the forward instead of keeping the
             forward's intermediate tensors.
-        rolled: run the schedule's steady state as a loop of rounds (`roll_schedule`), so
-            the traced step does not grow with micro-batches; None or True: whenever the
-            schedule has one and the micro-batches are equal, False: never.
+        rolled: run the schedule as a loop of rounds (`loop_schedule`: the whole schedule,
+            or its steady state), so the traced step does not grow with micro-batches;
+            None or True: whenever the schedule has one and the micro-batches are equal,
+            False: never.
     """
 
     def __init__(
@@ -142,7 +145,7 @@ class ScheduleExecutor:
             StageFunctions(stage, index > 0, self.remat[index])
             for index, stage in enumerate(self.stages)
         ]
-        self.rolled = roll_schedule(schedule) if rolled is not False else None
+        self.rolled = loop_schedule(schedule) if rolled is not False else None
         # GPipe: no loop rolls it, but its two phases each run as one (`phased_step`).
         self.fill_drain = rolled is not False and is_fill_drain(schedule)
 
@@ -335,14 +338,7 @@ class _StepBuilder:
     def carried_state(self, shift: int = 0) -> dict:
         """What is in flight between actions, as a nest of tensors keyed by (stage, label),
         each label moved by `shift`; each device's gate becomes one token tensor."""
-        executor = self.executor
-        tokens = {}
-        for stage, device in enumerate(executor.device_of_stage):
-            if device in tokens:
-                continue
-            with tf.device(executor.stage_device_names[stage]):
-                with tf.control_dependencies(self.device_gate.get(device, [])):
-                    tokens[device] = tf.zeros([], tf.float32)
+        tokens = {device: self._gate_token(device) for device in self._devices()}
         return {
             "stash": {
                 (stage, label + shift): (
@@ -363,6 +359,50 @@ class _StepBuilder:
             },
             "gates": tokens,
         }
+
+    def _devices(self) -> dict:
+        """Each device, with the name of its first stage's device."""
+        devices = {}
+        for stage, device in enumerate(self.executor.device_of_stage):
+            devices.setdefault(device, self.executor.stage_device_names[stage])
+        return devices
+
+    def _gate_token(self, device) -> tf.Tensor:
+        """One scalar that is ready when everything the device's next action waits for is."""
+        gate = self.device_gate.get(device, [])
+        if len(gate) == 1 and gate[0].shape.rank == 0 and gate[0].dtype == tf.float32:
+            return gate[0]
+        with tf.device(self._devices()[device]), tf.control_dependencies(gate):
+            return tf.zeros([], tf.float32)
+
+    def snapshot(self) -> dict:
+        """Every value the step holds between actions, by key: the `carried_state`, and the
+        gradient sums, last-stage outputs and losses, and timeline stamps made so far."""
+        state = self.carried_state()
+        flat = {}
+        for kind in ("stash", "gradient", "carry"):
+            flat.update({(kind, *key): value for key, value in state[kind].items()})
+        flat.update({("gate", device): token for device, token in state["gates"].items()})
+        flat.update({("sum", key): total for key, total in self.accumulated.items()})
+        flat.update({("output", label): value for label, value in self.outputs.items()})
+        flat.update({("loss", label): value for label, value in self.losses.items()})
+        flat.update({("stamp", action): value for action, value in self.stamps.items()})
+        return flat
+
+    def restore_snapshot(self, flat: dict, traced_stages: Sequence) -> None:
+        """Takes back a `snapshot`."""
+        state = {"stash": {}, "gradient": {}, "carry": {}, "gates": {}}
+        named = {"sum": {}, "output": {}, "loss": {}, "stamp": {}}
+        for (kind, *key), value in flat.items():
+            if kind == "gate":
+                state["gates"][key[0]] = value
+            elif kind in named:
+                named[kind][key[0]] = value
+            else:
+                state[kind][tuple(key)] = value
+        self.restore_state(state, traced_stages)
+        self.accumulated = named["sum"]
+        self.outputs, self.losses, self.stamps = named["output"], named["loss"], named["stamp"]
 
     def restore_state(self, state: dict, traced_stages: Sequence, shift: int = 0) -> None:
         """Takes back a `carried_state` (labels moved by `shift`), e.g. a loop's variables."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfmulti.pipeline.actions import BACKWARD, FORWARD, Action
-from tfmulti.pipeline.runtime.rolled_step import GradientSums, OutputArrays
+from tfmulti.pipeline.runtime.rolled_step import GradientSums, OutputArrays, new_stamp_arrays
 
 
 def run_phased(builder, traced_stages):
@@ -32,7 +32,8 @@ def run_phased(builder, traced_stages):
     count, stages = len(builder.inputs), range(len(traced_stages))
     for traced in traced_stages:
         traced.backward  # noqa: B018 - cut B before the loop, out of its graph
-    outputs = OutputArrays(traced_stages[-1], count)
+    devices = builder.executor.stage_device_names
+    outputs = OutputArrays(traced_stages[-1], count, devices[-1])
     start_gates = builder.carried_state()["gates"]
     forwards = _PhaseStamps([Action(FORWARD, stage, 0) for stage in stages], count, builder)
     backwards = _PhaseStamps(
@@ -98,13 +99,8 @@ class _PhaseStamps:
         self.recorded = actions if builder.trace else []
 
     def new_arrays(self) -> list:
-        return [
-            (
-                tf.TensorArray(tf.float64, size=self.count),
-                tf.TensorArray(tf.float64, size=self.count),
-            )
-            for _ in self.recorded
-        ]
+        devices = self.builder.executor.stage_device_names
+        return new_stamp_arrays(self.recorded, self.count, devices)
 
     def write(self, arrays, index) -> list:
         written = []

@@ -43,10 +43,12 @@ def forward_microbatches(inputs, sizes, run_stages: Callable):
     first = run_stages(parts[0])
     flat_first = tf.nest.flatten(first)
     rest = len(sizes) - 1
-    arrays = [
-        tf.TensorArray(t.dtype, size=rest, element_shape=t.shape, infer_shape=False)
-        for t in flat_first
-    ]
+    arrays = []
+    for t in flat_first:
+        with tf.device(t.device):  # the last stage's: the loop keeps each array there
+            arrays.append(
+                tf.TensorArray(t.dtype, size=rest, element_shape=t.shape, infer_shape=False)
+            )
 
     def body(index, arrays):
         flat = tf.nest.flatten(run_stages(parts[index + 1]))

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfmulti.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
-from tfmulti.pipeline.rolling import RolledSchedule, shifted
+from tfmulti.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
+from tfmulti.pipeline.rolling import RolledSchedule
+from tfmulti.pipeline.runtime.guarded_actions import build_guarded, zero_start_state
 
 _BACKWARD_PIECES = {BACKWARD: "backward", INPUT_GRAD: "input_grad", WEIGHT_GRAD: "weight_grad"}
 
@@ -32,23 +33,37 @@ def run_rolled(builder, rolled: RolledSchedule, traced_stages):
     `traced_stages`: each stage's `TracedStage` for the micro-batches' signature.
     """
     summed_stages = _prepare_functions(traced_stages, rolled)
+    if rolled.guarded:
+        start = zero_start_state(
+            rolled.start_in_flight, traced_stages, builder.executor.stage_device_names
+        )
+        builder.restore_state(dict(start, gates={}), traced_stages)
     for action in rolled.prologue:
         builder.build(action)
     prologue_results = (dict(builder.outputs), dict(builder.losses))
     sums = GradientSums(builder, traced_stages, summed_stages)
-    outputs = OutputArrays(traced_stages[-1], len(builder.inputs))
-    stamps = _StampArrays(rolled, builder.trace)
+    devices = builder.executor.stage_device_names
+    outputs = OutputArrays(
+        traced_stages[-1], len(builder.inputs), devices[-1], _output_labels(rolled)
+    )
+    stamps = _StampArrays(rolled, builder.trace, devices)
     stride = rolled.stride
     start_state = builder.carried_state()
     state_structure = tf.nest.map_structure(lambda _: 0, start_state)
 
     def body(round_index, flat_state, dense_sums, sparse_arrays, output_arrays, stamp_arrays):
         builder.restore_state(tf.nest.pack_sequence_as(start_state, flat_state), traced_stages)
-        builder.index_of = lambda label: label + round_index * stride
+        builder.index_of = lambda label: rolled.microbatch_in_round(label, round_index)
         builder.outputs, builder.losses = {}, {}
         sums.enter_round(dense_sums)
         for action in rolled.body:
-            builder.build(action)
+            runs = rolled.rounds_run(action)
+            if len(runs) == rolled.rounds:
+                builder.build(action)
+                continue
+            runs_now = tf.logical_and(round_index >= runs.start, round_index < runs.stop)
+            with tf.device(devices[action.stage]):  # where the cond's merges run
+                build_guarded(builder, action, runs_now, traced_stages)
         next_state = builder.carried_state(shift=-stride)
         if tf.nest.map_structure(lambda _: 0, next_state) != state_structure:
             raise AssertionError("A rolled round changed what is in flight; a tfmulti bug.")
@@ -79,7 +94,7 @@ def run_rolled(builder, rolled: RolledSchedule, traced_stages):
     builder.restore_state(
         tf.nest.pack_sequence_as(start_state, flat_state),
         traced_stages,
-        shift=rolled.rounds * stride,
+        shift=(rolled.rounds + rolled.first_round) * stride,
     )
     builder.index_of = lambda label: label
     builder.outputs, builder.losses = prologue_results
@@ -96,6 +111,18 @@ def run_rolled(builder, rolled: RolledSchedule, traced_stages):
     for action in rolled.epilogue:
         builder.build(action)
     return builder.result()
+
+
+def _output_labels(rolled: RolledSchedule) -> tuple[int, int]:
+    """The lowest and highest micro-batch the loop's last-stage forwards write."""
+    last_stage = rolled.schedule.num_stages - 1
+    written = [
+        rolled.microbatch_in_round(action.microbatch, round_index)
+        for action in rolled.body
+        if action.kind == FORWARD and action.stage == last_stage
+        for round_index in (0, rolled.rounds - 1)
+    ]
+    return min(written, default=0), max(written, default=0)
 
 
 def _prepare_functions(traced_stages, rolled: RolledSchedule) -> set[int]:
@@ -118,11 +145,13 @@ class GradientSums:
     def __init__(self, builder, traced_stages, summed_stages: set[int]):
         self.builder = builder
         self.dense, self.sparse = [], []  # (variable key, variable, gradient template)
+        self.devices = {}  # variable key -> the device its stage runs on
         for stage in sorted(summed_stages):
             traced = traced_stages[stage]
             templates = traced.weight_gradient_templates
             for variable, template in zip(traced.weights, templates, strict=True):
                 entry = (id(variable), variable, template)
+                self.devices[id(variable)] = builder.executor.stage_device_names[stage]
                 (self.sparse if isinstance(template, tf.IndexedSlices) else self.dense).append(
                     entry
                 )
@@ -135,19 +164,25 @@ class GradientSums:
         for key, variable, template in self.dense:
             variables.setdefault(key, variable)
             total = accumulated.get(key)
-            if total is None:
-                total = tf.zeros(variable.shape, template.dtype)
-            start.append(tf.convert_to_tensor(total))
+            # A loop variable starts on the device that updates it: TensorFlow runs its
+            # loop bookkeeping there, so nothing crosses devices from round to round.
+            with tf.device(self.devices[key]):
+                if total is None:
+                    total = tf.zeros(variable.shape, template.dtype)
+                start.append(tf.convert_to_tensor(total))
         return start
 
     def new_arrays(self) -> list:
-        return [
-            (
-                tf.TensorArray(template.values.dtype, size=0, dynamic_size=True),
-                tf.TensorArray(template.indices.dtype, size=0, dynamic_size=True),
-            )
-            for _, _, template in self.sparse
-        ]
+        arrays = []
+        for key, _, template in self.sparse:
+            with tf.device(self.devices[key]):
+                arrays.append(
+                    (
+                        tf.TensorArray(template.values.dtype, size=0, dynamic_size=True),
+                        tf.TensorArray(template.indices.dtype, size=0, dynamic_size=True),
+                    )
+                )
+        return arrays
 
     def enter_round(self, dense_sums) -> None:
         accumulated = self.builder.accumulated
@@ -189,21 +224,35 @@ def _joined(first: tf.IndexedSlices, second: tf.IndexedSlices) -> tf.IndexedSlic
 
 
 class OutputArrays:
-    """The last stage's outputs and losses of the looped micro-batches, by micro-batch."""
+    """The last stage's outputs and losses of the looped micro-batches, by micro-batch.
 
-    def __init__(self, last_traced, num_microbatches: int):
+    `extent`: the lowest and highest micro-batch written, when a guarded loop also writes
+    (zeros) for micro-batches outside the step's; by default 0 to m - 1.
+    """
+
+    def __init__(
+        self,
+        last_traced,
+        num_microbatches: int,
+        device: str,
+        extent: tuple[int, int] | None = None,
+    ):
         self.specs, self.structure = last_traced.output_specs()
-        self.size = num_microbatches
+        self.device = device
+        lowest, highest = extent or (0, num_microbatches - 1)
+        self.offset = -min(lowest, 0)
+        self.size = self.offset + max(highest + 1, num_microbatches)
         self.loss_dtype = None
 
     def new_arrays(self) -> list:
-        arrays = [tf.TensorArray(spec.dtype, size=self.size) for spec in self.specs]
-        return arrays + [tf.TensorArray(tf.float32, size=self.size)]
+        with tf.device(self.device):
+            arrays = [tf.TensorArray(spec.dtype, size=self.size) for spec in self.specs]
+            return arrays + [tf.TensorArray(tf.float32, size=self.size)]
 
     def write(self, arrays, builder) -> list:
         output_arrays, loss_array = list(arrays[:-1]), arrays[-1]
         for label, outputs in builder.outputs.items():
-            index = builder.index_of(label)
+            index = builder.index_of(label) + self.offset
             output_arrays = [
                 array.write(index, t)
                 for array, t in zip(output_arrays, tf.nest.flatten(outputs), strict=True)
@@ -217,26 +266,34 @@ class OutputArrays:
         output_arrays, loss_array = arrays[:-1], arrays[-1]
         for microbatch in microbatches:
             flat = [
-                tf.ensure_shape(array.read(microbatch), spec.shape)
+                tf.ensure_shape(array.read(microbatch + self.offset), spec.shape)
                 for array, spec in zip(output_arrays, self.specs, strict=True)
             ]
             builder.outputs[microbatch] = tf.nest.pack_sequence_as(self.structure, flat)
-            builder.losses[microbatch] = tf.cast(loss_array.read(microbatch), self.loss_dtype)
+            loss = loss_array.read(microbatch + self.offset)
+            builder.losses[microbatch] = tf.cast(loss, self.loss_dtype)
+
+
+def new_stamp_arrays(actions, size: int, devices: list[str]) -> list:
+    """Start and end TensorArrays of `size` for each of `actions`, on its stage's device."""
+    arrays = []
+    for action in actions:
+        with tf.device(devices[action.stage]):
+            arrays.append(
+                (tf.TensorArray(tf.float64, size=size), tf.TensorArray(tf.float64, size=size))
+            )
+    return arrays
 
 
 class _StampArrays:
     """When the step is traced for a timeline: each body action's start and end, by round."""
 
-    def __init__(self, rolled: RolledSchedule, enabled: bool):
-        self.rolled = rolled
+    def __init__(self, rolled: RolledSchedule, enabled: bool, devices: list[str]):
+        self.rolled, self.devices = rolled, devices
         self.body = rolled.body if enabled else ()
 
     def new_arrays(self) -> list:
-        rounds = self.rolled.rounds
-        return [
-            (tf.TensorArray(tf.float64, size=rounds), tf.TensorArray(tf.float64, size=rounds))
-            for _ in self.body
-        ]
+        return new_stamp_arrays(self.body, self.rolled.rounds, self.devices)
 
     def write(self, arrays, builder, round_index) -> list:
         written = []
@@ -246,10 +303,10 @@ class _StampArrays:
         return written
 
     def read(self, arrays, builder) -> None:
-        for round_index in range(self.rolled.rounds):
-            shift = round_index * self.rolled.stride
-            for action, (starts, ends) in zip(self.body, arrays, strict=True):
-                builder.stamps[shifted(action, shift)] = (
+        for action, (starts, ends) in zip(self.body, arrays, strict=True):
+            for round_index in self.rolled.rounds_run(action):
+                microbatch = self.rolled.microbatch_in_round(action.microbatch, round_index)
+                builder.stamps[Action(action.kind, action.stage, microbatch)] = (
                     starts.read(round_index),
                     ends.read(round_index),
                 )

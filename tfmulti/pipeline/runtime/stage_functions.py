@@ -96,7 +96,7 @@ class TracedStage:
         weight_grads = traced["weight_grads"]
         self.output_structure = traced["output_structure"]
         self.input_specs = list(input_specs)
-        self._output_specs = [tf.TensorSpec(t.shape, t.dtype) for t in flat_outputs]
+        self._output_specs = _specs(flat_outputs)
         self.weights = traced["weights"]
         self.num_input_grads = len(input_grads)
         self._weight_grad_structure = weight_grads
@@ -105,13 +105,16 @@ class TracedStage:
         kept = {t.ref() for t in inputs} if remat else None
         input_ids = {t.ref(): i for i, t in enumerate(inputs)}
         grad_ids = {t.ref(): i for i, t in enumerate(output_grads)}
+        # Weight reads and constants (and what is computed from them alone) are the same
+        # in the backward: it reads them again rather than receive them from the forward.
+        from_weights = _computed_from_weights(graph, forward_ops, traced["weights"])
 
         def from_forward(tensor) -> bool:
             if tensor.ref() in grad_ids:
                 return True
             if kept is not None:
                 return tensor.ref() in kept
-            return tensor.op in forward_ops
+            return tensor.op in forward_ops and tensor.op not in from_weights
 
         _, backward_needs = ops_between(input_grads + flat_weight_grads, from_forward, captures)
         residuals = [
@@ -136,7 +139,10 @@ class TracedStage:
         )
         self.num_outputs = len(flat_outputs)
         # What F returns for the backward, beside the outputs (a fill-drain step parks it).
-        self.residual_specs = [tf.TensorSpec(t.shape, t.dtype) for t in residuals]
+        self.residual_specs = _specs(residuals)
+        # What B or I hands to the previous stage, and what it receives from the next.
+        self.input_gradient_specs = _specs(input_grads)
+        self.output_gradient_specs = _specs(output_grads)
         self.backward_feeds = [feed(t) for t in backward_needs]
 
         input_grad_ops, input_grad_needs = ops_between(input_grads, from_forward, captures)
@@ -147,6 +153,7 @@ class TracedStage:
         _, weight_grad_needs = ops_between(flat_weight_grads, before_weight_grad, captures)
         carry = [t for t in weight_grad_needs if t.op in input_grad_ops]
         carry_ids = {t.ref(): i for i, t in enumerate(carry)}
+        self.carry_specs = _specs(carry)
         self.input_grad_feeds = [feed(t) for t in input_grad_needs]
         self.weight_grad_feeds = [feed(t, carry_ids) for t in weight_grad_needs]
         # Cutting a function out costs about as much as tracing it, and a schedule uses
@@ -225,7 +232,7 @@ class StageFunctions:
 
     def for_inputs(self, flat_inputs: Sequence[tf.Tensor], structure) -> TracedStage:
         """The functions for stage inputs like `flat_inputs` (nested as `structure`)."""
-        return self.for_specs([tf.TensorSpec(t.shape, t.dtype) for t in flat_inputs], structure)
+        return self.for_specs(_specs(flat_inputs), structure)
 
     def for_specs(self, specs: Sequence[tf.TensorSpec], structure) -> TracedStage:
         """The functions for flat stage inputs of `specs` (nested as `structure`)."""
@@ -300,6 +307,35 @@ def _trace_forward_and_backward(stage, structure, flat_inputs, differentiate_inp
         "weight_grads": weight_grads,
         "weights": weights,
     }
+
+
+def _computed_from_weights(graph, forward_ops: set, weights) -> set:
+    """Forward ops whose results depend only on the stage's trainable weights and on
+    constants: reads of the weights, constants, and stateless ops on those (casts,
+    transposes). They are the same whenever they run in a step (the optimizer updates the
+    weights after it). Reads of other variables (a dropout's seed, moving statistics) and
+    of any variable the forward writes are not among them, nor random ops."""
+    handles = {id(getattr(weight, "value", weight).handle) for weight in weights}
+    internal = {t.ref() for t in graph.internal_captures}
+    steady_reads = {inside.ref() for outside, inside in graph.captures if id(outside) in handles}
+    for op in forward_ops:
+        if op._is_stateful and op.type != "ReadVariableOp":
+            steady_reads -= {t.ref() for t in op.inputs if t.dtype == tf.resource}
+    found = set()
+    for op in graph.get_operations():  # in creation order: inputs come first
+        if op not in forward_ops or op.type == "Placeholder" or op.control_inputs:
+            continue
+        if op.type == "ReadVariableOp":
+            if op.inputs[0].ref() in steady_reads:
+                found.add(op)
+            continue
+        if not op._is_stateful and all(t.ref() in internal or t.op in found for t in op.inputs):
+            found.add(op)
+    return found
+
+
+def _specs(tensors) -> list[tf.TensorSpec]:
+    return [tf.TensorSpec(t.shape, t.dtype) for t in tensors]
 
 
 def _unread_stateful_ops(forward_ops: set) -> list[tf.Operation]:
