@@ -35,6 +35,7 @@ from tfmulti.pipeline.rolling import is_fill_drain, loop_schedule
 from tfmulti.pipeline.runtime.phased_step import run_phased
 from tfmulti.pipeline.runtime.rolled_step import run_rolled
 from tfmulti.pipeline.runtime.stage_functions import Feed, StageFunctions, is_differentiable
+from tfmulti.pipeline.runtime.tensor_packing import pack, unpack
 
 
 @dataclasses.dataclass
@@ -265,7 +266,8 @@ class _StepBuilder:
         traced = self.executor.stage_functions[stage].for_inputs(flat_inputs, stage_inputs)
         results = traced.forward(*flat_inputs)
         outputs = tf.nest.pack_sequence_as(traced.output_structure, results[: traced.num_outputs])
-        stash = _Stash(traced, flat_inputs, list(results[traced.num_outputs :]), outputs)
+        residuals = list(results[traced.num_outputs :])
+        stash = _Stash(traced, (flat_inputs, residuals, tf.nest.flatten(outputs), []))
         self.activations[(stage, microbatch)] = stash
         produced = _tensors(outputs)
         if stage == self.last_stage:
@@ -335,20 +337,18 @@ class _StepBuilder:
             sums.append(_tensor_part(self.accumulated[key]))
         return sums
 
-    def carried_state(self, shift: int = 0) -> dict:
+    def carried_state(self, shift: int = 0, packed: bool = True) -> dict:
         """What is in flight between actions, as a nest of tensors keyed by (stage, label),
-        each label moved by `shift`; each device's gate becomes one token tensor."""
+        each label moved by `shift`; each device's gate becomes one token tensor. Stashes
+        are packed (`_Stash.packed`) unless `packed` is False (then four lists each)."""
         tokens = {device: self._gate_token(device) for device in self._devices()}
+        executor = self.executor
+        stashes = {}
+        for (stage, label), stash in self.activations.items():
+            with tf.device(executor.stage_device_names[stage]):
+                stashes[(stage, label + shift)] = stash.packed() if packed else stash.parts()
         return {
-            "stash": {
-                (stage, label + shift): (
-                    list(stash.inputs),
-                    list(stash.residuals),
-                    tf.nest.flatten(stash.outputs),
-                    list(stash.output_grads),
-                )
-                for (stage, label), stash in self.activations.items()
-            },
+            "stash": stashes,
             "gradient": {
                 (stage, label + shift): list(grads)
                 for (stage, label), grads in self.input_grads.items()
@@ -407,14 +407,12 @@ class _StepBuilder:
     def restore_state(self, state: dict, traced_stages: Sequence, shift: int = 0) -> None:
         """Takes back a `carried_state` (labels moved by `shift`), e.g. a loop's variables."""
         self.activations = {}
-        for (stage, label), (inputs, residuals, outputs, output_grads) in state["stash"].items():
+        for (stage, label), stash in state["stash"].items():
             traced = traced_stages[stage]
-            self.activations[(stage, label + shift)] = _Stash(
-                traced,
-                list(inputs),
-                list(residuals),
-                tf.nest.pack_sequence_as(traced.output_structure, list(outputs)),
-                list(output_grads),
+            self.activations[(stage, label + shift)] = (
+                _Stash(traced, packed=dict(stash))
+                if isinstance(stash, dict)
+                else _Stash(traced, parts=stash)
             )
         self.input_grads = {
             (stage, label + shift): list(grads)
@@ -438,13 +436,68 @@ class _StepBuilder:
         )
 
 
-@dataclasses.dataclass
 class _Stash:
-    """What a stage's forward on one micro-batch leaves for its backward (the last stage's
-    also holds the gradient of its loss with respect to its outputs)."""
+    """What a stage's forward on one micro-batch leaves for its backward: its inputs, the
+    residuals its backward reads, its outputs and, for the last stage, the gradient of its
+    loss with respect to its outputs. Held as tensors, or packed (`tensor_packing`, as a
+    loop carries it) and taken out part by part when read."""
 
-    traced: object
-    inputs: list
-    residuals: list
-    outputs: object
-    output_grads: list = dataclasses.field(default_factory=list)
+    _PARTS = ("inputs", "residuals", "outputs", "output_grads")
+
+    def __init__(self, traced, parts: Sequence | None = None, packed: dict | None = None):
+        self.traced = traced
+        output_specs, _ = traced.output_specs()
+        self._specs = [traced.input_specs, traced.residual_specs, output_specs, []]
+        self._parts = [list(part) for part in parts] if parts is not None else [None] * 4
+        if packed is not None:
+            self._specs[3] = traced.output_gradient_specs if "loss_grads" in packed else []
+        self._packed = packed
+
+    @property
+    def inputs(self) -> list:
+        return self._part(0)
+
+    @property
+    def residuals(self) -> list:
+        return self._part(1)
+
+    @property
+    def outputs(self):
+        return tf.nest.pack_sequence_as(self.traced.output_structure, self._part(2))
+
+    @property
+    def output_grads(self) -> list:
+        return self._part(3)
+
+    @output_grads.setter
+    def output_grads(self, gradients) -> None:
+        self._parts[3] = list(gradients)
+        self._specs[3] = self.traced.output_gradient_specs
+        self._packed = None
+
+    def parts(self) -> tuple[list, list, list, list]:
+        """Inputs, residuals, flat outputs and loss gradients, as tensors."""
+        return tuple(self._part(index) for index in range(4))
+
+    def packed(self) -> dict:
+        """The parts as one TensorList per dtype (the loss gradients apart, when there)."""
+        if self._packed is None:
+            self._packed = pack([t for part in self.parts()[:3] for t in part])
+            if self._specs[3]:
+                self._packed["loss_grads"] = pack(self._parts[3])
+        return self._packed
+
+    def _part(self, index: int) -> list:
+        if self._parts[index] is None:
+            if index == 3:
+                specs = self._specs[3]
+                self._parts[3] = (
+                    unpack(self._packed["loss_grads"], specs, range(len(specs))) if specs else []
+                )
+            else:
+                specs = [spec for part in self._specs[:3] for spec in part]
+                start = sum(len(part) for part in self._specs[:index])
+                self._parts[index] = unpack(
+                    self._packed, specs, range(start, start + len(self._specs[index]))
+                )
+        return self._parts[index]

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from tfmulti.pipeline.actions import Action
 from tfmulti.pipeline.rolling import CARRY, GRADIENT, STASH
+from tfmulti.pipeline.runtime.tensor_packing import empty_packing
 
 
 def zero_start_state(in_flight, traced_stages, stage_device_names) -> dict:
@@ -34,10 +35,12 @@ def zero_start_state(in_flight, traced_stages, stage_device_names) -> dict:
 def _add_zeros(state, kind, stage, label, traced, last: bool) -> None:
     output_specs, _ = traced.output_specs()
     output_grads = traced.output_gradient_specs
-    if kind == STASH:
-        loss_grads = output_grads if last else []
-        parts = (traced.input_specs, traced.residual_specs, output_specs, loss_grads)
-        state["stash"][(stage, label)] = tuple(_zeros(specs) for specs in parts)
+    if kind == STASH:  # packed, as the loop carries stashes: empty lists
+        specs = [*traced.input_specs, *traced.residual_specs, *output_specs]
+        stash = empty_packing(spec.dtype for spec in specs)
+        if last:
+            stash["loss_grads"] = empty_packing(spec.dtype for spec in output_grads)
+        state["stash"][(stage, label)] = stash
     elif kind == GRADIENT:
         state["gradient"][(stage, label)] = _zeros(traced.input_gradient_specs)
     elif kind == CARRY:
@@ -92,6 +95,16 @@ def _same(first, second) -> bool:
     )
 
 
+def _empty_like(packed: dict) -> dict:
+    """Empty lists in place of the lists of `packed` (keyed by dtype names, or nested)."""
+    return {
+        name: _empty_like(part)
+        if isinstance(part, dict)
+        else empty_packing([tf.as_dtype(name)])[name]
+        for name, part in packed.items()
+    }
+
+
 class _Zeros:
     """Zeros shaped like the values a skipped action leaves, one tensor per shape and
     dtype (a stage's residuals share a few shapes); a sparse gradient sum as a slice of
@@ -111,6 +124,8 @@ class _Zeros:
                 )
             return self.tensor(leaf.shape, leaf.dtype)
 
+        if key[0] == "stash":  # packed lists (`_Stash.packed`): empty ones
+            return _empty_like(value)
         return tf.nest.map_structure(zeros, value)
 
     def tensor(self, shape, dtype) -> tf.Tensor:

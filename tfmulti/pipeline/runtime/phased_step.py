@@ -44,7 +44,7 @@ def run_phased(builder, traced_stages):
         _enter_round(builder, index, gates, {}, traced_stages)
         for action in forwards.actions:
             builder.build(action)
-        state = builder.carried_state()
+        state = builder.carried_state(packed=False)
         parked = parking.write(parked, state["stash"], index)
         output_arrays = outputs.write(output_arrays, builder)
         return index + 1, state["gates"], parked, output_arrays, forwards.write(stamp_arrays, index)
