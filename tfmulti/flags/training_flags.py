@@ -229,9 +229,10 @@ def define_pipeline_flags() -> None:
     flags.DEFINE_boolean(
         "rolled",
         True,
-        "With --strategy=pipeline: run the schedule's repeating rounds as loops (start-up "
-        "that does not grow with --microbatches; each round costs a few ms of loop "
-        "control); --norolled traces every action.",
+        "With --strategy=pipeline: run the schedule as one loop of rounds, warm-up and "
+        "cool-down included (GPipe: two loops), so start-up does not grow with "
+        "--microbatches or stages; each round costs some loop control; --norolled traces "
+        "every action.",
     )
     flags.DEFINE_string(
         "placement",

@@ -77,7 +77,9 @@ def build_guarded(builder, action: Action, runs: tf.Tensor, traced_stages) -> No
         # Traced after `run_action` (tf.cond traces the true branch first).
         zeros = _Zeros()
         return {
-            key: before[key] if key in before else zeros.like(value, builder.variables, key)
+            key: _as_made(before[key], value)
+            if key in before
+            else zeros.like(value, builder.variables, key)
             for key, value in made["changed"].items()
         }
 
@@ -85,6 +87,14 @@ def build_guarded(builder, action: Action, runs: tf.Tensor, traced_stages) -> No
     after = {key: value for key, value in before.items() if key not in made["removed"]}
     after.update(changed)
     builder.restore_snapshot(after, traced_stages)
+
+
+def _as_made(previous, made):
+    """`previous` in the form the action made of it: a sparse gradient sum the action
+    turned dense (a tied embedding's dense use adds to its sparse one) stays dense."""
+    if isinstance(previous, tf.IndexedSlices) and not isinstance(made, tf.IndexedSlices):
+        return tf.convert_to_tensor(previous)
+    return previous
 
 
 def _same(first, second) -> bool:

@@ -145,16 +145,21 @@ class GradientSums:
     def __init__(self, builder, traced_stages, summed_stages: set[int]):
         self.builder = builder
         self.dense, self.sparse = [], []  # (variable key, variable, gradient template)
-        self.devices = {}  # variable key -> the device its stage runs on
+        self.devices = {}  # variable key -> the device its (first) stage runs on
+        found = {}  # variable key -> (variable, its gradient templates in every stage)
         for stage in sorted(summed_stages):
             traced = traced_stages[stage]
             templates = traced.weight_gradient_templates
             for variable, template in zip(traced.weights, templates, strict=True):
-                entry = (id(variable), variable, template)
-                self.devices[id(variable)] = builder.executor.stage_device_names[stage]
-                (self.sparse if isinstance(template, tf.IndexedSlices) else self.dense).append(
-                    entry
-                )
+                self.devices.setdefault(id(variable), builder.executor.stage_device_names[stage])
+                found.setdefault(id(variable), (variable, []))[1].append(template)
+        for key, (variable, templates) in found.items():
+            # A weight used densely anywhere (a tied embedding's output layer) sums densely.
+            dense = [t for t in templates if not isinstance(t, tf.IndexedSlices)]
+            if dense:
+                self.dense.append((key, variable, dense[0]))
+            else:
+                self.sparse.append((key, variable, templates[0]))
         # The prologue's part of each sparse sum; the loop's rounds follow it.
         self.sparse_before = {key: builder.accumulated.pop(key, None) for key, *_ in self.sparse}
 
