@@ -35,7 +35,7 @@ from tfmulti.pipeline.rolling import is_fill_drain, loop_schedule
 from tfmulti.pipeline.runtime.phased_step import run_phased
 from tfmulti.pipeline.runtime.rolled_step import run_rolled
 from tfmulti.pipeline.runtime.stage_functions import Feed, StageFunctions, is_differentiable
-from tfmulti.pipeline.runtime.tensor_packing import pack, unpack
+from tfmulti.pipeline.runtime.tensor_packing import PackedParts
 
 
 @dataclasses.dataclass
@@ -267,7 +267,8 @@ class _StepBuilder:
         results = traced.forward(*flat_inputs)
         outputs = tf.nest.pack_sequence_as(traced.output_structure, results[: traced.num_outputs])
         residuals = list(results[traced.num_outputs :])
-        stash = _Stash(traced, (flat_inputs, residuals, tf.nest.flatten(outputs), []))
+        last = stage == self.last_stage
+        stash = _Stash(traced, last, (flat_inputs, residuals, tf.nest.flatten(outputs), []))
         self.activations[(stage, microbatch)] = stash
         produced = _tensors(outputs)
         if stage == self.last_stage:
@@ -303,7 +304,10 @@ class _StepBuilder:
             results = traced.input_grad(*_gather(traced.input_grad_feeds, sources))
             input_grads = results[: traced.num_input_grads]
             self._hand_back(key, input_grads)
-            self.carried[key] = dict(sources, carry=list(results[traced.num_input_grads :]))
+            # W reads the inputs and residuals from the stash, which stays until W.
+            carry = {"output_grad": sources["output_grad"]}
+            carry["carry"] = list(results[traced.num_input_grads :])
+            self.carried[key] = PackedParts(traced.carry_part_specs(), carry)
             return list(input_grads)
         results = traced.backward(*_gather(traced.backward_feeds, sources))
         del self.activations[key]
@@ -323,8 +327,11 @@ class _StepBuilder:
 
     def _weight_grad(self, action: Action) -> list:
         key = (action.stage, action.microbatch)
-        traced = self.activations.pop(key).traced
-        results = traced.weight_grad(*_gather(traced.weight_grad_feeds, self.carried.pop(key)))
+        stash = self.activations.pop(key)
+        traced = stash.traced
+        sources = {"input": stash.inputs, "residual": stash.residuals}
+        sources.update(self.carried.pop(key).parts())
+        results = traced.weight_grad(*_gather(traced.weight_grad_feeds, sources))
         return self._accumulate(traced.weights, traced.weight_gradients(results))
 
     def _accumulate(self, weights, weight_grads) -> list:
@@ -343,20 +350,21 @@ class _StepBuilder:
         are packed (`_Stash.packed`) unless `packed` is False (then four lists each)."""
         tokens = {device: self._gate_token(device) for device in self._devices()}
         executor = self.executor
-        stashes = {}
-        for (stage, label), stash in self.activations.items():
-            with tf.device(executor.stage_device_names[stage]):
-                stashes[(stage, label + shift)] = stash.packed() if packed else stash.parts()
+        stashes, carries = {}, {}
+        for kept, held in ((stashes, self.activations), (carries, self.carried)):
+            for (stage, label), value in held.items():
+                value = value.held if isinstance(value, _Stash) else value
+                with tf.device(executor.stage_device_names[stage]):
+                    kept[(stage, label + shift)] = (
+                        value.packed() if packed else tuple(value.parts().values())
+                    )
         return {
             "stash": stashes,
             "gradient": {
                 (stage, label + shift): list(grads)
                 for (stage, label), grads in self.input_grads.items()
             },
-            "carry": {
-                (stage, label + shift): {name: list(values) for name, values in carry.items()}
-                for (stage, label), carry in self.carried.items()
-            },
+            "carry": carries,
             "gates": tokens,
         }
 
@@ -406,22 +414,22 @@ class _StepBuilder:
 
     def restore_state(self, state: dict, traced_stages: Sequence, shift: int = 0) -> None:
         """Takes back a `carried_state` (labels moved by `shift`), e.g. a loop's variables."""
-        self.activations = {}
+        self.activations, self.carried = {}, {}
+        last = len(traced_stages) - 1
         for (stage, label), stash in state["stash"].items():
-            traced = traced_stages[stage]
-            self.activations[(stage, label + shift)] = (
-                _Stash(traced, packed=dict(stash))
-                if isinstance(stash, dict)
-                else _Stash(traced, parts=stash)
-            )
+            form = {"packed": dict(stash)} if isinstance(stash, dict) else {"parts": stash}
+            stash = _Stash(traced_stages[stage], stage == last, **form)
+            self.activations[(stage, label + shift)] = stash
         self.input_grads = {
             (stage, label + shift): list(grads)
             for (stage, label), grads in state["gradient"].items()
         }
-        self.carried = {
-            (stage, label + shift): {name: list(values) for name, values in carry.items()}
-            for (stage, label), carry in state["carry"].items()
-        }
+        for (stage, label), carry in state["carry"].items():
+            specs = traced_stages[stage].carry_part_specs()
+            form = {"packed": dict(carry)} if isinstance(carry, dict) else {"parts": carry}
+            if "parts" in form:
+                form["parts"] = dict(zip(specs, carry, strict=True))
+            self.carried[(stage, label + shift)] = PackedParts(specs, **form)
         self.device_gate = {device: [token] for device, token in state["gates"].items()}
 
     def result(self) -> StepResult:
@@ -437,67 +445,32 @@ class _StepBuilder:
 
 
 class _Stash:
-    """What a stage's forward on one micro-batch leaves for its backward: its inputs, the
-    residuals its backward reads, its outputs and, for the last stage, the gradient of its
-    loss with respect to its outputs. Held as tensors, or packed (`tensor_packing`, as a
-    loop carries it) and taken out part by part when read."""
+    """What a stage's forward on one micro-batch leaves for its backward
+    (`TracedStage.stash_specs`), held as tensors or packed as a loop carries it."""
 
-    _PARTS = ("inputs", "residuals", "outputs", "output_grads")
-
-    def __init__(self, traced, parts: Sequence | None = None, packed: dict | None = None):
+    def __init__(self, traced, last_stage: bool, parts=None, packed: dict | None = None):
         self.traced = traced
-        output_specs, _ = traced.output_specs()
-        self._specs = [traced.input_specs, traced.residual_specs, output_specs, []]
-        self._parts = [list(part) for part in parts] if parts is not None else [None] * 4
-        if packed is not None:
-            self._specs[3] = traced.output_gradient_specs if "loss_grads" in packed else []
-        self._packed = packed
+        specs = traced.stash_specs(last_stage)
+        if parts is not None and not isinstance(parts, dict):
+            parts = dict(zip(specs, parts, strict=True))
+        self.held = PackedParts(specs, parts, packed)
 
     @property
     def inputs(self) -> list:
-        return self._part(0)
+        return self.held.part("inputs")
 
     @property
     def residuals(self) -> list:
-        return self._part(1)
+        return self.held.part("residuals")
 
     @property
     def outputs(self):
-        return tf.nest.pack_sequence_as(self.traced.output_structure, self._part(2))
+        return tf.nest.pack_sequence_as(self.traced.output_structure, self.held.part("outputs"))
 
     @property
     def output_grads(self) -> list:
-        return self._part(3)
+        return self.held.part("output_grads")
 
     @output_grads.setter
     def output_grads(self, gradients) -> None:
-        self._parts[3] = list(gradients)
-        self._specs[3] = self.traced.output_gradient_specs
-        self._packed = None
-
-    def parts(self) -> tuple[list, list, list, list]:
-        """Inputs, residuals, flat outputs and loss gradients, as tensors."""
-        return tuple(self._part(index) for index in range(4))
-
-    def packed(self) -> dict:
-        """The parts as one TensorList per dtype (the loss gradients apart, when there)."""
-        if self._packed is None:
-            self._packed = pack([t for part in self.parts()[:3] for t in part])
-            if self._specs[3]:
-                self._packed["loss_grads"] = pack(self._parts[3])
-        return self._packed
-
-    def _part(self, index: int) -> list:
-        if self._parts[index] is None:
-            if index == 3:
-                specs = self._specs[3]
-                self._parts[3] = (
-                    unpack(self._packed["loss_grads"], specs, range(len(specs))) if specs else []
-                )
-            else:
-                specs = [spec for part in self._specs[:3] for spec in part]
-                start = sum(len(part) for part in self._specs[:index])
-                self._parts[index] = unpack(
-                    self._packed, specs, range(start, start + len(self._specs[index]))
-                )
-        return self._parts[index]
+        self.held.replace("output_grads", gradients)

@@ -33,23 +33,16 @@ def zero_start_state(in_flight, traced_stages, stage_device_names) -> dict:
 
 
 def _add_zeros(state, kind, stage, label, traced, last: bool) -> None:
-    output_specs, _ = traced.output_specs()
-    output_grads = traced.output_gradient_specs
-    if kind == STASH:  # packed, as the loop carries stashes: empty lists
-        specs = [*traced.input_specs, *traced.residual_specs, *output_specs]
-        stash = empty_packing(spec.dtype for spec in specs)
-        if last:
-            stash["loss_grads"] = empty_packing(spec.dtype for spec in output_grads)
-        state["stash"][(stage, label)] = stash
+    if kind == STASH:  # packed, as the loop carries stashes and carries: empty lists
+        state["stash"][(stage, label)] = _empty_packing(traced.stash_specs(last))
     elif kind == GRADIENT:
         state["gradient"][(stage, label)] = _zeros(traced.input_gradient_specs)
     elif kind == CARRY:
-        state["carry"][(stage, label)] = {
-            "input": _zeros(traced.input_specs),
-            "residual": _zeros(traced.residual_specs),
-            "output_grad": _zeros(output_grads),
-            "carry": _zeros(traced.carry_specs),
-        }
+        state["carry"][(stage, label)] = _empty_packing(traced.carry_part_specs())
+
+
+def _empty_packing(part_specs: dict) -> dict:
+    return empty_packing(spec.dtype for specs in part_specs.values() for spec in specs)
 
 
 def _zeros(specs) -> list[tf.Tensor]:
@@ -106,13 +99,8 @@ def _same(first, second) -> bool:
 
 
 def _empty_like(packed: dict) -> dict:
-    """Empty lists in place of the lists of `packed` (keyed by dtype names, or nested)."""
-    return {
-        name: _empty_like(part)
-        if isinstance(part, dict)
-        else empty_packing([tf.as_dtype(name)])[name]
-        for name, part in packed.items()
-    }
+    """Empty lists in place of the lists of `packed` (keyed by dtype names)."""
+    return empty_packing(tf.as_dtype(name) for name in packed)
 
 
 class _Zeros:
@@ -134,7 +122,7 @@ class _Zeros:
                 )
             return self.tensor(leaf.shape, leaf.dtype)
 
-        if key[0] == "stash":  # packed lists (`_Stash.packed`): empty ones
+        if key[0] in ("stash", "carry"):  # packed lists: empty ones
             return _empty_like(value)
         return tf.nest.map_structure(zeros, value)
 

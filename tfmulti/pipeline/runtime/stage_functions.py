@@ -174,6 +174,21 @@ class TracedStage:
         """The flat outputs' specs, and their nesting (the next stage's input signature)."""
         return list(self._output_specs), self.output_structure
 
+    def stash_specs(self, last_stage: bool) -> dict[str, list[tf.TensorSpec]]:
+        """What F leaves for the backward, by part: inputs, residuals, outputs and (for
+        the last stage) the loss gradient with respect to the outputs."""
+        return {
+            "inputs": self.input_specs,
+            "residuals": self.residual_specs,
+            "outputs": self._output_specs,
+            "output_grads": self.output_gradient_specs if last_stage else [],
+        }
+
+    def carry_part_specs(self) -> dict[str, list[tf.TensorSpec]]:
+        """What I leaves for W beside the stash, by part (as `weight_grad_feeds` name their
+        sources): the output gradients it was given and what it computed for W."""
+        return {"output_grad": self.output_gradient_specs, "carry": self.carry_specs}
+
     def _cut_function(self, name: str) -> Callable:
         feeds, fetches = self._cuts[name]
         return self._cutter.function(feeds, fetches)

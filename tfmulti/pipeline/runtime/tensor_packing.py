@@ -57,3 +57,54 @@ def _empty(dtype: tf.DType) -> tf.Tensor:
     return tf.raw_ops.EmptyTensorList(
         element_shape=_ANY_SHAPE, max_num_elements=-1, element_dtype=dtype
     )
+
+
+class PackedParts:
+    """Named lists of tensors with known specs, held as tensors or packed (`pack`), each
+    part taken out only when it is read.
+
+    Args:
+        specs: each part's name and the specs of its tensors, in order.
+        parts: the tensors of each part; or
+        packed: what `packed()` returned for parts like these.
+    """
+
+    def __init__(
+        self,
+        specs: dict[str, Sequence[tf.TensorSpec]],
+        parts: dict[str, Sequence[tf.Tensor]] | None = None,
+        packed: dict | None = None,
+    ):
+        self.specs = {name: list(part_specs) for name, part_specs in specs.items()}
+        self._parts = {name: list(part) for name, part in (parts or {}).items()}
+        self._packed = packed
+
+    def part(self, name: str) -> list[tf.Tensor]:
+        """The tensors of part `name`."""
+        if name not in self._parts:
+            names = list(self.specs)
+            start = sum(len(self.specs[n]) for n in names[: names.index(name)])
+            flat_specs = [spec for n in names for spec in self.specs[n]]
+            wanted = range(start, start + len(self.specs[name]))
+            self._parts[name] = unpack(self._packed, flat_specs, wanted)
+        return self._parts[name]
+
+    def parts(self) -> dict[str, list[tf.Tensor]]:
+        """Every part's tensors."""
+        return {name: self.part(name) for name in self.specs}
+
+    def packed(self) -> dict[str, tf.Tensor]:
+        """The parts as one TensorList per dtype (made once)."""
+        if self._packed is None:
+            self._packed = pack([t for name in self.specs for t in self.part(name)])
+        return self._packed
+
+    def replace(self, name: str, tensors: Sequence[tf.Tensor]) -> None:
+        """Sets part `name` (then packs again when asked)."""
+        self.parts()
+        self._parts[name] = list(tensors)
+        self._packed = None
+
+    def empty_packing(self) -> dict[str, tf.Tensor]:
+        """`empty_packing` with the keys `packed()` gives."""
+        return empty_packing(spec.dtype for part in self.specs.values() for spec in part)
