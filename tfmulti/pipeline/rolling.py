@@ -6,6 +6,10 @@ one B per round; ZB-H1: F, I and W). `roll_schedule` finds that repetition, so t
 executor can trace the body once and run it in a loop instead of tracing every action of
 every micro-batch: the traced step then does not grow with m.
 
+`guard_roll` extends such a loop over the whole schedule: rounds before and after the steady
+state run the same body, skipping actions on micro-batches outside the step's, so the step
+traces one body whatever m and p; `loop_schedule` picks what the executor runs.
+
 Rounds are found on the schedule run with unit durations (each action one tick): a tick
 range where every device's actions repeat `stride` micro-batches later after `period`
 ticks. A roll is only returned once checked: the values in flight between actions

@@ -9,6 +9,11 @@ sums are loop variables too; sparse ones (embeddings) are collected per round in
 TensorArrays and joined after the loop in micro-batch order, as the unrolled step adds
 them. Last-stage outputs and losses go to TensorArrays indexed by micro-batch.
 
+A guarded roll (`tfmulti.pipeline.rolling.guard_roll`) has no prologue or epilogue: the
+loop starts from empty stashes and runs each action that some rounds skip inside a
+`tf.cond` (`guarded_actions.py`). Stashes travel packed, one TensorList per dtype
+(`tensor_packing.py`).
+
 Each device's actions keep the schedule's order: within a round by the body's order and
 from round to round by the device's token. Loop iterations may overlap (TensorFlow runs
 an iteration's ops as soon as their inputs are ready), so devices drift apart by rounds
