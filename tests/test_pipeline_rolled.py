@@ -1,6 +1,8 @@
 """Rolled pipeline steps (the steady state as a loop) train exactly like unrolled ones and
 like one device, for every rollable schedule."""
 
+import time
+
 import keras
 import numpy as np
 import pytest
@@ -104,3 +106,56 @@ def test_a_batch_that_does_not_split_evenly_runs_unrolled_and_stays_exact():
     pipeline.train_on_batch(x, y)
     reference.train_on_batch(x, y)
     assert max_weight_difference(reference, pipeline) < 1e-5
+
+
+class _RecordingStage(keras.layers.Layer):
+    """A dense layer whose forward and backward each hold the device a few milliseconds and
+    record when they ran."""
+
+    def __init__(self, index, intervals, **kwargs):
+        super().__init__(**kwargs)
+        # A bound method: Keras would track (and copy) a list attribute.
+        self.index, self.record = index, intervals.append
+        self.dense = keras.layers.Dense(4)
+
+    def _held(self, tensor, kind):
+        def record(value):
+            start = time.perf_counter()
+            time.sleep(0.004)
+            self.record((self.index, kind, start, time.perf_counter()))
+            return value
+
+        held = tf.numpy_function(record, [tensor], tensor.dtype, stateful=False)
+        held.set_shape(tensor.shape)
+        return held
+
+    def call(self, inputs):
+        @tf.custom_gradient
+        def through(x):
+            return self._held(x, "F"), lambda dy: self._held(dy, "B")
+
+        return self.dense(through(inputs))
+
+
+@pytest.mark.parametrize("schedule, num_devices", [("1f1b", 2), ("zb_h1", 2), ("1f1b", 4)])
+@pytest.mark.parametrize("rolled", [None, False])
+def test_each_device_runs_one_action_at_a_time(schedule, num_devices, rolled):
+    # Each action waits for the previous one on its device. Waiting by control on a stage
+    # function's outputs waited only for its stateful ops once TensorFlow inlined the call,
+    # and a guarded round's tf.cond keeps outside control inputs only on its predicate.
+    intervals = []
+    stages = [_RecordingStage(i, intervals, name=f"recording{i}") for i in range(num_devices)]
+    devices = logical_device_names("CPU")[:num_devices]
+    model = PipelineModel(stages, devices, 8, schedule, rolled=rolled)
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((16, 4), "float32"), np.ones((16, 4), "float32")
+    model(x)
+    model.train_on_batch(x, y)
+    assert rolled is False or model._executor.rolled.guarded
+    intervals.clear()
+    model.train_on_batch(x, y)
+    assert len(intervals) == 8 * (2 * num_devices - 1)  # the first stage has no B to hold
+    for stage in range(num_devices):
+        mine = sorted((start, end) for index, _, start, end in intervals if index == stage)
+        overlaps = [(a, b) for a, b in zip(mine, mine[1:], strict=False) if b[0] < a[1]]
+        assert overlaps == [], (stage, overlaps)

@@ -100,6 +100,16 @@ def add_gradients(first, second):
     return tf.convert_to_tensor(first) + tf.convert_to_tensor(second)
 
 
+def _when_ready(produced: list) -> list:
+    """A gate the next action waits on (by control) that opens once `produced` hold data.
+
+    Waiting on a stage function's outputs by control waits on its call op; TensorFlow
+    inlines the call and keeps for that edge only the function's stateful ops, so the next
+    action could start before this one's stateless work (most of it) is done. An IdentityN
+    of the outputs is an op that runs only once they are computed."""
+    return [tf.identity_n(produced)[0]] if produced else []
+
+
 def _tensor_part(gradient) -> tf.Tensor:
     """A tensor that is ready when `gradient` is, for control dependencies and timestamps."""
     return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
@@ -244,7 +254,7 @@ class _StepBuilder:
                 end = _timestamp(produced or [start])
                 self.stamps[action] = (start, end)
                 produced = [end]
-        self.device_gate[device] = produced or gate
+        self.device_gate[device] = _when_ready(produced) or gate
 
     def _stage_inputs(self, stage: int, microbatch: int):
         if stage == 0:

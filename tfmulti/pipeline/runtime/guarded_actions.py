@@ -56,6 +56,11 @@ def build_guarded(builder, action: Action, runs: tf.Tensor, traced_stages) -> No
 
     def run_action() -> dict:
         builder.restore_snapshot(before, traced_stages)
+        # The device's gate enters the branch as data: TensorFlow lowers a cond's control
+        # inputs onto its predicate only, so ops that wait on an outside tensor by control
+        # would start as soon as their data is ready, out of the device's order.
+        device = builder.executor.device_of_stage[action.stage]
+        builder.device_gate[device] = [tf.identity(t) for t in builder.device_gate[device]]
         builder.build(action)
         after = builder.snapshot()
         made["removed"] = [key for key in before if key not in after]
