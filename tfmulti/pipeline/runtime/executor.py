@@ -357,7 +357,8 @@ class _StepBuilder:
     def carried_state(self, shift: int = 0, packed: bool = True) -> dict:
         """What is in flight between actions, as a nest of tensors keyed by (stage, label),
         each label moved by `shift`; each device's gate becomes one token tensor. Stashes
-        are packed (`_Stash.packed`) unless `packed` is False (then four lists each)."""
+        and carries are packed (`PackedParts.packed`) unless `packed` is False (then a
+        tuple of their parts)."""
         tokens = {device: self._gate_token(device) for device in self._devices()}
         executor = self.executor
         stashes, carries = {}, {}
