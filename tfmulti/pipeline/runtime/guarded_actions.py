@@ -8,7 +8,8 @@ add or change comes out of the `tf.cond`, as the action made it or, when skipped
 consumes only values of skipped micro-batches.
 
 The loop therefore starts from what a prologue would leave, on micro-batches before the
-first, as zeros (`zero_start_state`); no action that runs ever reads them.
+first, as empty stashes and zero gradients (`zero_start_state`); no action that runs ever
+reads them.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _add_zeros(state, kind, stage, label, traced, last: bool) -> None:
 
 
 def _empty_packing(part_specs: dict) -> dict:
-    return empty_packing(spec.dtype for specs in part_specs.values() for spec in specs)
+    return empty_packing({spec.dtype for specs in part_specs.values() for spec in specs})
 
 
 def _zeros(specs) -> list[tf.Tensor]:
@@ -75,9 +76,7 @@ def build_guarded(builder, action: Action, runs: tf.Tensor, traced_stages) -> No
         # Traced after `run_action` (tf.cond traces the true branch first).
         zeros = _Zeros()
         return {
-            key: _as_made(before[key], value)
-            if key in before
-            else zeros.like(value, builder.variables, key)
+            key: before[key] if key in before else zeros.like(value, builder.variables, key)
             for key, value in made["changed"].items()
         }
 
@@ -85,14 +84,6 @@ def build_guarded(builder, action: Action, runs: tf.Tensor, traced_stages) -> No
     after = {key: value for key, value in before.items() if key not in made["removed"]}
     after.update(changed)
     builder.restore_snapshot(after, traced_stages)
-
-
-def _as_made(previous, made):
-    """`previous` in the form the action made of it: a sparse gradient sum the action
-    turned dense (a tied embedding's dense use adds to its sparse one) stays dense."""
-    if isinstance(previous, tf.IndexedSlices) and not isinstance(made, tf.IndexedSlices):
-        return tf.convert_to_tensor(previous)
-    return previous
 
 
 def _same(first, second) -> bool:

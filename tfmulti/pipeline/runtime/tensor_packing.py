@@ -104,7 +104,3 @@ class PackedParts:
         self.parts()
         self._parts[name] = list(tensors)
         self._packed = None
-
-    def empty_packing(self) -> dict[str, tf.Tensor]:
-        """`empty_packing` with the keys `packed()` gives."""
-        return empty_packing(spec.dtype for part in self.specs.values() for spec in part)
