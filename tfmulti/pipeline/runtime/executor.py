@@ -233,6 +233,7 @@ class _StepBuilder:
         self.outputs = {}  # microbatch -> last-stage outputs
         self.losses = {}  # microbatch -> loss
         self.stamps = {}
+        self._waits_for = []  # what the action being built waits for (`_in_order`)
 
     def build(self, action: Action) -> None:
         device = self.executor.device_of_stage[action.stage]
@@ -243,18 +244,28 @@ class _StepBuilder:
             if self.trace:
                 start = _timestamp(list(gate) + arriving)
                 gate = [start]
-            with tf.control_dependencies(gate):
-                if action.kind == FORWARD:
-                    produced = self._forward(action)
-                elif action.kind == WEIGHT_GRAD:
-                    produced = self._weight_grad(action)
-                else:
-                    produced = self._backward(action, split=action.kind == INPUT_GRAD)
+            self._waits_for = gate
+            if action.kind == FORWARD:
+                produced = self._forward(action)
+            elif action.kind == WEIGHT_GRAD:
+                produced = self._weight_grad(action)
+            else:
+                produced = self._backward(action, split=action.kind == INPUT_GRAD)
             if self.trace:
                 end = _timestamp(produced or [start])
                 self.stamps[action] = (start, end)
                 produced = [end]
         self.device_gate[device] = _when_ready(produced) or gate
+
+    def _in_order(self, stage_function, args: list):
+        """Calls `stage_function` once the device's previous action is done.
+
+        The control edge must be on the call itself: inside a `tf.control_dependencies`
+        block, TensorFlow leaves it off ops with an input made in the block (unpacking a
+        stash), keeping it only on the constants those read, and such a path did not hold
+        the call back at run time."""
+        with tf.control_dependencies(self._waits_for):
+            return stage_function(*args)
 
     def _stage_inputs(self, stage: int, microbatch: int):
         if stage == 0:
@@ -274,7 +285,7 @@ class _StepBuilder:
         stage_inputs = self._stage_inputs(stage, microbatch)
         flat_inputs = [tf.convert_to_tensor(t) for t in tf.nest.flatten(stage_inputs)]
         traced = self.executor.stage_functions[stage].for_inputs(flat_inputs, stage_inputs)
-        results = traced.forward(*flat_inputs)
+        results = self._in_order(traced.forward, flat_inputs)
         outputs = tf.nest.pack_sequence_as(traced.output_structure, results[: traced.num_outputs])
         residuals = list(results[traced.num_outputs :])
         last = stage == self.last_stage
@@ -311,7 +322,7 @@ class _StepBuilder:
             "output_grad": list(self._output_grads(*key, stash)),
         }
         if split:
-            results = traced.input_grad(*_gather(traced.input_grad_feeds, sources))
+            results = self._in_order(traced.input_grad, _gather(traced.input_grad_feeds, sources))
             input_grads = results[: traced.num_input_grads]
             self._hand_back(key, input_grads)
             # W reads the inputs and residuals from the stash, which stays until W.
@@ -319,7 +330,7 @@ class _StepBuilder:
             carry["carry"] = list(results[traced.num_input_grads :])
             self.carried[key] = PackedParts(traced.carry_part_specs(), carry)
             return list(input_grads)
-        results = traced.backward(*_gather(traced.backward_feeds, sources))
+        results = self._in_order(traced.backward, _gather(traced.backward_feeds, sources))
         del self.activations[key]
         sums = self._accumulate(
             traced.weights, traced.weight_gradients(results[traced.num_input_grads :])
@@ -341,7 +352,7 @@ class _StepBuilder:
         traced = stash.traced
         sources = {"input": stash.inputs, "residual": stash.residuals}
         sources.update(self.carried.pop(key).parts())
-        results = traced.weight_grad(*_gather(traced.weight_grad_feeds, sources))
+        results = self._in_order(traced.weight_grad, _gather(traced.weight_grad_feeds, sources))
         return self._accumulate(traced.weights, traced.weight_gradients(results))
 
     def _accumulate(self, weights, weight_grads) -> list:
