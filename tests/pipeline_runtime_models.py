@@ -127,3 +127,14 @@ def token_transformer_and_stages(num_layers: int, num_stages: int, seed: int = 3
     blocks = build_blocks("transformer", (sequence,), vocab, seed=seed, **options)
     boundaries = partition_blocks(blocks, num_stages, "uniform").boundaries
     return (tokens[:, :-1], tokens[:, 1:]), loss, whole, stages_from_blocks(blocks, boundaries)
+
+
+def loops_in_step(pipeline, x, y) -> int:
+    """How many loops the pipeline's traced training step holds."""
+
+    @tf.function(autograph=False)
+    def losses(x, y):
+        return pipeline.run_schedule(x, y).losses
+
+    graph = losses.get_concrete_function(x, y).graph.as_graph_def()
+    return sum(node.op in ("While", "StatelessWhile") for node in graph.node)

@@ -10,6 +10,7 @@ import tensorflow as tf
 from pipeline_runtime_models import (
     Chain,
     dense_stages,
+    loops_in_step,
     max_weight_difference,
     regression_batches,
     token_transformer_and_stages,
@@ -20,15 +21,6 @@ from tfmulti.pipeline.runtime import PipelineModel
 
 STEPS = 3
 BATCH_SIZE = 32
-
-
-def _loops_in_step(pipeline, x, y) -> int:
-    @tf.function(autograph=False)
-    def losses(x, y):
-        return pipeline.run_schedule(x, y).losses
-
-    graph = losses.get_concrete_function(x, y).graph.as_graph_def()
-    return sum(node.op in ("While", "StatelessWhile") for node in graph.node)
 
 
 def _pipeline(make_stages, num_devices, chunks, num_microbatches, schedule, rolled, **kwargs):
@@ -59,7 +51,7 @@ def test_rolled_pipeline_trains_like_unrolled_and_like_one_device(
         model(x0)
         # GPipe runs as two loops (forwards, then backwards), the others as one.
         loops = 2 if schedule == "gpipe" else 1
-        assert _loops_in_step(model, x0, y0) == (loops if rolled is None else 0)
+        assert loops_in_step(model, x0, y0) == (loops if rolled is None else 0)
         models[rolled] = model
     reference = Chain(dense_stages(num_devices * chunks))
     reference.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
@@ -85,7 +77,7 @@ def test_rolled_transformer_with_sparse_embedding_gradients_and_remat_trains_lik
     )
     pipeline.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
     pipeline(x)
-    assert _loops_in_step(pipeline, x, y) == loops
+    assert loops_in_step(pipeline, x, y) == loops
     for _ in range(STEPS):
         whole_loss = whole.train_on_batch(x, y)
         pipeline_loss = pipeline.train_on_batch(x, y)
@@ -99,7 +91,7 @@ def test_a_batch_that_does_not_split_evenly_runs_unrolled_and_stays_exact():
     pipeline = _pipeline(dense_stages, 2, 1, 8, "1f1b", None)
     pipeline.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     pipeline(x)
-    assert _loops_in_step(pipeline, x, y) == 0
+    assert loops_in_step(pipeline, x, y) == 0
     reference = Chain(dense_stages(2))
     reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     reference(x)

@@ -100,14 +100,20 @@ def add_gradients(first, second):
     return tf.convert_to_tensor(first) + tf.convert_to_tensor(second)
 
 
-def _when_ready(produced: list) -> list:
-    """A gate the next action waits on (by control) that opens once `produced` hold data.
+def _when_ready(produced: list, calls: list) -> list:
+    """A gate the next action waits on (by control) that opens once `produced` hold data
+    and the stage-function `calls` that made them have run their stateful ops.
 
     Waiting on a stage function's outputs by control waits on its call op; TensorFlow
     inlines the call and keeps for that edge only the function's stateful ops, so the next
     action could start before this one's stateless work (most of it) is done. An IdentityN
-    of the outputs is an op that runs only once they are computed."""
-    return [tf.identity_n(produced)[0]] if produced else []
+    of the outputs is an op that runs only once they are computed; its control edge from
+    the calls keeps stateful ops (a dropout's seed update) in the device's order, which a
+    loop round no longer enforces (`unbarriered_loop`)."""
+    if not produced:
+        return []
+    with tf.control_dependencies(calls):
+        return [tf.identity_n(produced)[0]]
 
 
 def _tensor_part(gradient) -> tf.Tensor:
@@ -234,6 +240,7 @@ class _StepBuilder:
         self.losses = {}  # microbatch -> loss
         self.stamps = {}
         self._waits_for = []  # what the action being built waits for (`_in_order`)
+        self._calls = []  # the stage-function calls of the action being built
 
     def build(self, action: Action) -> None:
         device = self.executor.device_of_stage[action.stage]
@@ -244,7 +251,7 @@ class _StepBuilder:
             if self.trace:
                 start = _timestamp(list(gate) + arriving)
                 gate = [start]
-            self._waits_for = gate
+            self._waits_for, self._calls = gate, []
             if action.kind == FORWARD:
                 produced = self._forward(action)
             elif action.kind == WEIGHT_GRAD:
@@ -255,7 +262,7 @@ class _StepBuilder:
                 end = _timestamp(produced or [start])
                 self.stamps[action] = (start, end)
                 produced = [end]
-        self.device_gate[device] = _when_ready(produced) or gate
+            self.device_gate[device] = _when_ready(produced, self._calls) or gate
 
     def _in_order(self, stage_function, args: list):
         """Calls `stage_function` once the device's previous action is done.
@@ -265,7 +272,9 @@ class _StepBuilder:
         stash), keeping it only on the constants those read, and such a path did not hold
         the call back at run time."""
         with tf.control_dependencies(self._waits_for):
-            return stage_function(*args)
+            results = stage_function(*args)
+        self._calls.extend(dict.fromkeys(t.op for t in tf.nest.flatten(results)))
+        return results
 
     def _stage_inputs(self, stage: int, microbatch: int):
         if stage == 0:

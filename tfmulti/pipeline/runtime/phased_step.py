@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from tfmulti.pipeline.actions import BACKWARD, FORWARD, Action
 from tfmulti.pipeline.runtime.rolled_step import GradientSums, OutputArrays, new_stamp_arrays
+from tfmulti.pipeline.runtime.unbarriered_loop import while_loop_without_barrier
 
 
 def run_phased(builder, traced_stages):
@@ -51,7 +52,7 @@ def run_phased(builder, traced_stages):
 
     parking = _Parking(traced_stages, builder.executor.stage_device_names, count)
     parked = parking.new_arrays()
-    _, gates, parked, output_arrays, forward_stamps = tf.while_loop(
+    _, gates, parked, output_arrays, forward_stamps = while_loop_without_barrier(
         lambda index, *unused: index < count,
         forward_round,
         (tf.constant(0), start_gates, parked, outputs.new_arrays(), forwards.new_arrays()),
@@ -75,7 +76,7 @@ def run_phased(builder, traced_stages):
             backwards.write(stamp_arrays, index),
         )
 
-    _, gates, dense_sums, sparse_arrays, backward_stamps = tf.while_loop(
+    _, gates, dense_sums, sparse_arrays, backward_stamps = while_loop_without_barrier(
         lambda index, *unused: index < count,
         backward_round,
         (tf.constant(0), gates, sums.start_dense(), sums.new_arrays(), backwards.new_arrays()),

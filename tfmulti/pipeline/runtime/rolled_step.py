@@ -27,6 +27,7 @@ import tensorflow as tf
 from tfmulti.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
 from tfmulti.pipeline.rolling import RolledSchedule
 from tfmulti.pipeline.runtime.guarded_actions import build_guarded, zero_start_state
+from tfmulti.pipeline.runtime.unbarriered_loop import while_loop_without_barrier
 
 _BACKWARD_PIECES = {BACKWARD: "backward", INPUT_GRAD: "input_grad", WEIGHT_GRAD: "weight_grad"}
 
@@ -89,12 +90,14 @@ def run_rolled(builder, rolled: RolledSchedule, traced_stages):
         outputs.new_arrays(),
         stamps.new_arrays(),
     )
-    _, flat_state, dense_sums, sparse_arrays, output_arrays, stamp_arrays = tf.while_loop(
-        lambda round_index, *unused: round_index < rolled.rounds,
-        body,
-        loop_vars,
-        parallel_iterations=max(1, min(rolled.rounds, 64)),
-        maximum_iterations=rolled.rounds,
+    _, flat_state, dense_sums, sparse_arrays, output_arrays, stamp_arrays = (
+        while_loop_without_barrier(
+            lambda round_index, *unused: round_index < rolled.rounds,
+            body,
+            loop_vars,
+            parallel_iterations=max(1, min(rolled.rounds, 64)),
+            maximum_iterations=rolled.rounds,
+        )
     )
     builder.restore_state(
         tf.nest.pack_sequence_as(start_state, flat_state),
