@@ -13,7 +13,7 @@ from tfmulti.pipeline.runtime import PipelineModel
 from tfmulti.pipeline.runtime.unbarriered_loop import while_loop_without_barrier
 
 
-def _bodies_outputs_waiting(loop, make_stage_call) -> tuple[int, int]:
+def _bodies_outputs_waiting(loop) -> tuple[int, int]:
     """How many values the loop body returns wait (by control) on something, of how many."""
     counter = tf.Variable(0.0)
 
@@ -25,7 +25,7 @@ def _bodies_outputs_waiting(loop, make_stage_call) -> tuple[int, int]:
     @tf.function(autograph=False)
     def step(x):
         def body(index, value):
-            return index + 1, make_stage_call(stateful_stage, value)
+            return index + 1, stateful_stage(value)
 
         return loop(lambda index, _: index < 3, body, (tf.constant(0), x))
 
@@ -42,18 +42,14 @@ def _bodies_outputs_waiting(loop, make_stage_call) -> tuple[int, int]:
     return waiting, len(returned)
 
 
-def _call(stage, value):
-    return stage(value)
-
-
-def test_tensorflow_still_makes_every_loop_output_wait_for_the_rounds_stateful_calls():
+def test_tensorflow_still_makes_loop_outputs_wait_for_the_rounds_stateful_calls():
     # When this fails, TensorFlow no longer adds the barrier: `unbarriered_loop` can go.
-    waiting, _ = _bodies_outputs_waiting(tf.while_loop, _call)
+    waiting, _ = _bodies_outputs_waiting(tf.while_loop)
     assert waiting > 0
 
 
 def test_a_loop_without_barrier_returns_values_that_wait_only_for_their_inputs():
-    waiting, returned = _bodies_outputs_waiting(while_loop_without_barrier, _call)
+    waiting, returned = _bodies_outputs_waiting(while_loop_without_barrier)
     assert waiting == 0 < returned
 
 
