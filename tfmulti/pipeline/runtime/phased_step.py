@@ -10,7 +10,8 @@ outputs, the loss gradient) is parked in TensorArrays by micro-batch between the
 
 Measured timelines record each round's start and end of every action, by micro-batch.
 Each device keeps the schedule's order: one token per device runs through both loops.
-Loop iterations overlap, so stage s works on micro-batch i + 1 while stage s + 1 works on
+Loop iterations overlap (the bodies are traced without TensorFlow's end-of-round barrier,
+`unbarriered_loop.py`), so stage s works on micro-batch i + 1 while stage s + 1 works on
 i, as in the unrolled step. Gradient sums are summed as `rolled_step` sums them: dense
 ones as loop variables, sparse ones by round, joined in micro-batch order.
 """

@@ -16,8 +16,9 @@ loop starts from empty stashes and runs each action that some rounds skip inside
 
 Each device's actions keep the schedule's order: within a round by the body's order and
 from round to round by the device's token. Loop iterations may overlap (TensorFlow runs
-an iteration's ops as soon as their inputs are ready), so devices drift apart by rounds
-just as the unrolled schedule lets them.
+an iteration's ops as soon as their inputs are ready, and the body is traced without its
+end-of-round barrier, `unbarriered_loop.py`), so devices drift apart by rounds just as the
+unrolled schedule lets them.
 """
 
 from __future__ import annotations
