@@ -7,7 +7,10 @@ setup(
     version="0.1.0",
     description="Data, model, pipeline and tensor parallelism for Keras 3 on TensorFlow.",
     python_requires=">=3.10",
-    packages=find_packages(include=["tfmulti", "tfmulti.*", "models", "models.*"]),
+    packages=find_packages(include=["tfmulti", "tfmulti.*"]) + ["tfmulti.models"],
+    # The reference models live in models/ but install as tfmulti.models, so a user's own
+    # module named `models` is never shadowed.
+    package_dir={"tfmulti.models": "models"},
     install_requires=[
         "tensorflow>=2.20,<2.22",
         "keras>=3.10,<3.16",

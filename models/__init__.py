@@ -1,12 +1,12 @@
 """Reference models for tfmulti, each an ordered list of blocks and one keras.Model.
 
 Example:
-    >>> from models import build_model
+    >>> from tfmulti.models import build_model
     >>> model = build_model("resnet", input_shape=(8, 8, 1), num_outputs=10, seed=0)
 """
 
-from models.blocks import chain_blocks, derive_seed
-from models.registry import (
+from tfmulti.models.blocks import chain_blocks, derive_seed
+from tfmulti.models.registry import (
     MODEL_NAMES,
     MODEL_SPECS,
     ModelSpec,

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import keras
 
-from models.blocks import derive_seed
+from tfmulti.models.blocks import derive_seed
 
 
 def build_blocks(

@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 
 import keras
 
-from models import convnet, mlp, resnet, transformer
-from models.blocks import chain_blocks
+from tfmulti.models import convnet, mlp, resnet, transformer
+from tfmulti.models.blocks import chain_blocks
 from tfmulti.parallel import TensorParallelModel, has_tensor_parallel_layers
 from tfmulti.user_code import is_function_reference
 

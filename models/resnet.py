@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import keras
 
-from models.blocks import check_image_shape, derive_seed
+from tfmulti.models.blocks import check_image_shape, derive_seed
 
 NORMALIZATIONS = ("batch", "layer")
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import keras
 from keras import ops
 
-from models.blocks import derive_seed
+from tfmulti.models.blocks import derive_seed
 from tfmulti.parallel import (
     ParallelMLP,
     ParallelSelfAttention,

@@ -60,7 +60,7 @@ def _synthetic_source():
 
 
 def _build_model(strategy):
-    from models.registry import build_model
+    from tfmulti.models.registry import build_model
 
     keras.utils.set_random_seed(0)
     with strategy.scope():

@@ -167,7 +167,7 @@ def mlp_record(d_model: int, rows: int) -> dict:
     import numpy as np
     import tensorflow as tf
 
-    from models.transformer import FeedForward
+    from tfmulti.models.transformer import FeedForward
     from tfmulti.parallel import ParallelMLP, measure_communication, resolve_shard_devices
 
     devices = resolve_shard_devices(FLAGS.tensor_parallel)
@@ -333,8 +333,8 @@ def _tensor_group_bytes(costs, layout) -> dict:
     to the home device (standalone split layers, the embedding) and the ring all-reduce."""
     import tensorflow as tf
 
-    from models import registry
-    from models.transformer import TransformerBlock
+    from tfmulti.models import registry
+    from tfmulti.models.transformer import TransformerBlock
     from tfmulti.data import load_source
     from tfmulti.parallel import (
         TENSOR_REDUCTIONS,
@@ -489,7 +489,7 @@ def tensor_reduce_records() -> list[dict]:
     import numpy as np
     import tensorflow as tf
 
-    from models.transformer import TransformerBlock
+    from tfmulti.models.transformer import TransformerBlock
     from tfmulti.parallel import TENSOR_REDUCTIONS, resolve_shard_devices, tensor_reduction_scope
     from tfmulti.parallel.communication import received_bytes, step_graph
     from tfmulti.parallel.shard_devices import device_key

@@ -243,7 +243,7 @@ def fidelity_records(timeline_dir):
 def real_compute_records():
     import keras
 
-    from models import build_blocks, build_model
+    from tfmulti.models import build_blocks, build_model
     from tfmulti.devices import logical_device_names
     from tfmulti.pipeline.runtime import PipelineModel, stages_from_blocks
 

@@ -56,7 +56,7 @@ FLAGS = flags.FLAGS
 
 
 def _build(kind: str, layers: int, microbatches: int):
-    from models import build_blocks, build_model
+    from tfmulti.models import build_blocks, build_model
     from tfmulti.devices import logical_device_names
     from tfmulti.hybrid import HybridPipelineModel
     from tfmulti.pipeline.runtime import PipelineModel, partition_blocks, stages_from_blocks

@@ -115,7 +115,7 @@ def device_index(variable) -> tuple[str, int]:
 def token_transformer_and_stages(num_layers: int, num_stages: int, seed: int = 3):
     """Tokens (x, y), their loss, the reference Transformer built whole, and the same model
     (same seed) cut into `num_stages` uniform stages: vocabulary 32, 8 tokens, 32 rows."""
-    from models import build_blocks, build_model
+    from tfmulti.models import build_blocks, build_model
     from tfmulti.pipeline.runtime import partition_blocks, stages_from_blocks
 
     vocab, sequence = 32, 8

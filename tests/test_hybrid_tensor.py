@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from pipeline_runtime_models import device_index
 
-from models import registry
+from tfmulti.models import registry
 from tfmulti.devices import logical_device_names
 from tfmulti.hybrid import build_hybrid_model
 from tfmulti.mesh import MeshError, parse_mesh

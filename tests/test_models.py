@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from models import (
+from tfmulti.models import (
     MODEL_NAMES,
     MODEL_SPECS,
     build_blocks,

@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import pytest
 
-from models import registry
+from tfmulti.models import registry
 from tfmulti.parallel import (
     ColumnParallelDense,
     RowParallelDense,
@@ -133,7 +133,10 @@ def test_tensor_parallel_transformer_saves_unsplit_and_predicts_the_same(
     model, tokens = trained_tensor_parallel_transformer
     model.save(tmp_path / "transformer.keras")
     predictions, report = _load_in_fresh_process(
-        tmp_path, tmp_path / "transformer.keras", tokens, imports="import models.transformer"
+        tmp_path,
+        tmp_path / "transformer.keras",
+        tokens,
+        imports="import tfmulti.models.transformer",
     )
 
     np.testing.assert_allclose(predictions, model.predict(tokens, verbose=0), rtol=1e-4, atol=1e-5)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tfmulti.pipeline.runtime.partition as partition
-from models import build_blocks
+from tfmulti.models import build_blocks
 from tfmulti.pipeline.balance import Block
 from tfmulti.pipeline.runtime.cost_cache import CostCache, block_signature
 from tfmulti.split_summary import MeasuredStageSeconds

@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 
-from models import build_blocks, build_model
+from tfmulti.models import build_blocks, build_model
 from tfmulti.devices import logical_device_names
 from tfmulti.pipeline.runtime import PipelineModel, partition_blocks, stages_from_blocks
 

@@ -14,7 +14,7 @@ from pipeline_runtime_models import (
     token_transformer_and_stages,
 )
 
-from models import registry
+from tfmulti.models import registry
 from tfmulti.devices import logical_device_names
 from tfmulti.hybrid import HybridPipelineModel, build_hybrid_model
 from tfmulti.mesh import parse_mesh

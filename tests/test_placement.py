@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from models.registry import build_model
+from tfmulti.models.registry import build_model
 from tfmulti.parallel.placement import place, place_reference_model
 
 BATCH = 8

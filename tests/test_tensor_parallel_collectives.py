@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from models import build_model, registry
+from tfmulti.models import build_model, registry
 from tfmulti.devices import logical_device_names
 from tfmulti.hybrid import build_hybrid_model
 from tfmulti.mesh import parse_mesh

@@ -116,7 +116,7 @@ def test_nan_loss_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_pat
     assert "Traceback" not in diverging.stderr
     assert _metrics(model_dir)["status"] == "failed"
 
-    from models.registry import build_model
+    from tfmulti.models.registry import build_model
 
     model = build_model("mlp", (8, 8, 1), 10, seed=0)
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")

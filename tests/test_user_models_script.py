@@ -257,3 +257,24 @@ def test_user_arrays_hold_out_a_tenth_and_a_dataset_pair_keeps_its_splits(tmp_pa
     batch_x, batch_y = next(iter(stream.train.batch(32)))
     np.testing.assert_array_equal(batch_x.numpy(), x[:32])
     np.testing.assert_array_equal(batch_y.numpy(), y[:32])
+
+
+def test_a_user_module_named_models_is_not_shadowed_by_the_reference_models(tmp_path):
+    """The reference models install as `tfmulti.models`; `models` stays the user's name."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "models.py").write_text(
+        USER_MODULE + "\n\ndef build():\n    return small_mlp(width=8)\n\n\ndata = arrays\n"
+    )
+    model_dir = str(tmp_path / "run")
+    result = run_script(
+        "train.py",
+        "--model=models:build",
+        "--dataset=models:data",
+        *RUN[1:],
+        "--strategy=one_device",
+        f"--model_dir={model_dir}",
+        env={"PYTHONPATH": os.pathsep.join([str(project), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert read_metrics(model_dir)["status"] == "completed"

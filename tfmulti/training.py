@@ -9,7 +9,7 @@ import time
 import keras
 from absl import logging
 
-from models import registry
+from tfmulti.models import registry
 from tfmulti import data as data_lib
 from tfmulti.callbacks import StopOnNonFiniteLoss, ThroughputLogger
 from tfmulti.checkpointing import EpochCheckpoint, latest_checkpoint

@@ -88,7 +88,7 @@ def build_hybrid_model(
 
     Args:
         make_blocks: returns the model's unbuilt blocks in order, the same model at every
-            call (e.g. a seeded `models.registry.build_blocks`); called once per replica.
+            call (e.g. a seeded `tfmulti.models.registry.build_blocks`); called once per replica.
         mesh: a `DeviceMesh` or text like "data=2,pipe=2".
         num_microbatches: micro-batches per replica per step (m).
         schedule: "gpipe", "1f1b", "interleaved_1f1b", "zb_h1" or "zb_h2".

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from models import registry
+from tfmulti.models import registry
 from tfmulti.data import dataset_task, load_source
 from tfmulti.pipeline.runtime.partition import measure_blocks
 from tfmulti.planner.costs import AffineTime, BlockCost, ModelCosts
@@ -33,7 +33,7 @@ def measure_model_costs(
     """Times every block of reference model `model` on `dataset` at each of `batch_sizes`.
 
     Args:
-        model: a name in `models.registry.MODEL_NAMES`.
+        model: a name in `tfmulti.models.registry.MODEL_NAMES`.
         dataset: a dataset name (`tfmulti.data.DATASET_NAMES`) the model trains on.
         model_options: the model's options, as `--model_option` gives them.
         data_path: the file(s) of an "npz" or "tfrecord" dataset.

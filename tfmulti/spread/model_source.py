@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import keras
 
-from models import registry
+from tfmulti.models import registry
 from tfmulti.config import TrainConfig
 from tfmulti.data import DataInfo
 from tfmulti.user_code import is_function_reference, load_function
@@ -94,7 +94,7 @@ def model_source(config: TrainConfig, info: DataInfo) -> ModelSource:
     """The `ModelSource` of `config.model` for data described by `info`.
 
     A `package.module:function` model calls `function(**config.model_options)`;
-    a reference name builds from `models.registry` with `config.seed`.
+    a reference name builds from `tfmulti.models.registry` with `config.seed`.
     """
     if is_function_reference(config.model):
         return _user_source(config.model, config.model_options, info.num_classes)
