@@ -333,9 +333,9 @@ def _tensor_group_bytes(costs, layout) -> dict:
     to the home device (standalone split layers, the embedding) and the ring all-reduce."""
     import tensorflow as tf
 
+    from tfmulti.data import load_source
     from tfmulti.models import registry
     from tfmulti.models.transformer import TransformerBlock
-    from tfmulti.data import load_source
     from tfmulti.parallel import (
         TENSOR_REDUCTIONS,
         measure_communication,

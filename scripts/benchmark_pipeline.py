@@ -243,8 +243,8 @@ def fidelity_records(timeline_dir):
 def real_compute_records():
     import keras
 
-    from tfmulti.models import build_blocks, build_model
     from tfmulti.devices import logical_device_names
+    from tfmulti.models import build_blocks, build_model
     from tfmulti.pipeline.runtime import PipelineModel, stages_from_blocks
 
     vocab, sequence = 512, 64

@@ -56,9 +56,9 @@ FLAGS = flags.FLAGS
 
 
 def _build(kind: str, layers: int, microbatches: int):
-    from tfmulti.models import build_blocks, build_model
     from tfmulti.devices import logical_device_names
     from tfmulti.hybrid import HybridPipelineModel
+    from tfmulti.models import build_blocks, build_model
     from tfmulti.pipeline.runtime import PipelineModel, partition_blocks, stages_from_blocks
 
     options = dict(num_layers=layers)

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from pipeline_runtime_models import device_index
 
-from tfmulti.models import registry
 from tfmulti.devices import logical_device_names
 from tfmulti.hybrid import build_hybrid_model
 from tfmulti.mesh import MeshError, parse_mesh
+from tfmulti.models import registry
 from tfmulti.parallel import ColumnParallelDense
 
 VOCABULARY, LENGTH, BATCH, STEPS = 16, 8, 8, 3

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfmulti.data import DATASET_NAMES, dataset_task, make_datasets
 from tfmulti.models import (
     MODEL_NAMES,
     MODEL_SPECS,
@@ -13,7 +14,6 @@ from tfmulti.models import (
     chain_blocks,
     check_model_accepts,
 )
-from tfmulti.data import DATASET_NAMES, dataset_task, make_datasets
 
 # Tiny sizes: each case is (model name, input shape, outputs, options).
 CASES = {

@@ -6,8 +6,8 @@ import keras
 import numpy as np
 import pytest
 
-from tfmulti.models import build_blocks, build_model
 from tfmulti.devices import logical_device_names
+from tfmulti.models import build_blocks, build_model
 from tfmulti.pipeline.runtime import PipelineModel, partition_blocks, stages_from_blocks
 
 VOCAB, SEQUENCE = 32, 8

@@ -14,10 +14,10 @@ from pipeline_runtime_models import (
     token_transformer_and_stages,
 )
 
-from tfmulti.models import registry
 from tfmulti.devices import logical_device_names
 from tfmulti.hybrid import HybridPipelineModel, build_hybrid_model
 from tfmulti.mesh import parse_mesh
+from tfmulti.models import registry
 from tfmulti.pipeline.runtime import PipelineModel
 
 STEPS = 3

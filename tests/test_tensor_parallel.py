@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfmulti.devices import logical_device_names
 from tfmulti.models import build_model
 from tfmulti.models.transformer import CausalSelfAttention, FeedForward
-from tfmulti.devices import logical_device_names
 from tfmulti.parallel import (
     ColumnParallelDense,
     ParallelMLP,

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmulti.models import build_model, registry
 from tfmulti.devices import logical_device_names
 from tfmulti.hybrid import build_hybrid_model
 from tfmulti.mesh import parse_mesh
+from tfmulti.models import build_model, registry
 from tfmulti.names import TENSOR_REDUCTION_NAMES
 from tfmulti.parallel import (
     TENSOR_REDUCTIONS,

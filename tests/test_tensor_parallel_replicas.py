@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmulti.models import registry
-from tfmulti.models.transformer import TransformerBlock
 from tfmulti.data import load_source
 from tfmulti.mesh import DeviceMesh
+from tfmulti.models import registry
+from tfmulti.models.transformer import TransformerBlock
 from tfmulti.parallel import resolve_shard_devices, tensor_reduction_scope, unsplit_weights
 from tfmulti.parallel.communication import (
     collective_bytes,

@@ -9,7 +9,6 @@ import time
 import keras
 from absl import logging
 
-from tfmulti.models import registry
 from tfmulti import data as data_lib
 from tfmulti.callbacks import StopOnNonFiniteLoss, ThroughputLogger
 from tfmulti.checkpointing import EpochCheckpoint, latest_checkpoint
@@ -25,6 +24,7 @@ from tfmulti.model_setup import (
     make_strategy,
     resolve_run_cluster,
 )
+from tfmulti.models import registry
 from tfmulti.names import HYBRID_STRATEGY_NAME, RESTART_COUNT_VARIABLE
 from tfmulti.preemption import SaveOnPreemption
 from tfmulti.profiling import ProfileSteps

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from tfmulti.models import registry
 from tfmulti.data import dataset_task, load_source
+from tfmulti.models import registry
 from tfmulti.pipeline.runtime.partition import measure_blocks
 from tfmulti.planner.costs import AffineTime, BlockCost, ModelCosts
 

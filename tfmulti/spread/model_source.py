@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import keras
 
-from tfmulti.models import registry
 from tfmulti.config import TrainConfig
 from tfmulti.data import DataInfo
+from tfmulti.models import registry
 from tfmulti.user_code import is_function_reference, load_function
 
 
