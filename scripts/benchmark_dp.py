@@ -111,7 +111,8 @@ def tfmulti_run(source, model_dir):
         log_steps=FLAGS.steps,
     )
     strategy = get_strategy("mirrored", FLAGS.virtual_devices)
-    callbacks, _ = standard_callbacks(config, model_dir, RunRecord(model_dir, config.to_dict()))
+    record = RunRecord(model_dir, config.to_dict())
+    callbacks, _ = standard_callbacks(config, model_dir, record, steps_per_epoch=FLAGS.steps)
     return _build_model(strategy), _training_stream(source), callbacks
 
 

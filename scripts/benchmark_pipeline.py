@@ -45,10 +45,20 @@ flags.DEFINE_integer("batch_size", 16, "Rows per step in fidelity and memory.", 
 flags.DEFINE_integer("steps", 5, "Timed steps per configuration (median).", lower_bound=1)
 flags.DEFINE_integer("real_batch_size", 64, "Batch size of the real-compute benchmark.")
 flags.DEFINE_integer("real_microbatches", 4, "Micro-batches of the real-compute pipeline.")
+flags.DEFINE_integer("real_num_layers", 4, "Transformer blocks of the real-compute model.", 1)
+flags.DEFINE_integer("real_d_model", 256, "Width of the real-compute Transformer (4 heads).", 4)
+flags.DEFINE_integer("real_sequence_length", 64, "Tokens per example in real_compute.", 1)
+flags.DEFINE_integer("memory_microbatches", 8, "Micro-batches m of the memory benchmark.", 1)
+flags.DEFINE_integer(
+    "timeline_microbatches", 8, "With --plot: draw the fidelity timelines at this m.", 1
+)
 flags.DEFINE_string("out", None, "Write the JSON records to this file.")
 flags.DEFINE_string("plot", None, "Draw the fidelity results into this PNG.")
 flags.register_validator(
     "benchmarks", lambda names: set(names) <= set(BENCHMARKS), f"must be among {BENCHMARKS}"
+)
+flags.register_validator(
+    "real_d_model", lambda width: width % 4 == 0, "must be a multiple of 4 (4 attention heads)"
 )
 flags.register_validator(
     "schedules", lambda names: set(names) <= set(SCHEDULES), f"must be among {SCHEDULES}"
@@ -213,7 +223,7 @@ def fidelity_records(timeline_dir):
                 }
             )
             print(json.dumps(records[-1]), flush=True)
-            if timeline_dir and m == 8:
+            if timeline_dir and m == FLAGS.timeline_microbatches:
                 model.set_step_tracing(True)
                 model.train_on_batch(x, y)
                 write_timeline_report(
@@ -247,8 +257,8 @@ def real_compute_records():
     from tfmulti.models import build_blocks, build_model
     from tfmulti.pipeline.runtime import PipelineModel, stages_from_blocks
 
-    vocab, sequence = 512, 64
-    options = dict(num_layers=4, num_heads=4, d_model=256)
+    vocab, sequence = 512, FLAGS.real_sequence_length
+    options = dict(num_layers=FLAGS.real_num_layers, num_heads=4, d_model=FLAGS.real_d_model)
     rng = __import__("numpy").random.default_rng(0)
     tokens = rng.integers(0, vocab, size=(FLAGS.real_batch_size, sequence + 1)).astype("int32")
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -257,7 +267,8 @@ def real_compute_records():
 
     def pipeline(schedule, m):
         blocks = build_blocks("transformer", (sequence,), vocab, seed=0, **options)
-        return PipelineModel(stages_from_blocks(blocks, [3]), devices, m, schedule)
+        # Two stages of about equal blocks (3 | 3 at 4 layers).
+        return PipelineModel(stages_from_blocks(blocks, [len(blocks) // 2]), devices, m, schedule)
 
     candidates = {
         "one_device": lambda: build_model("transformer", (sequence,), vocab, seed=0, **options),
@@ -286,7 +297,7 @@ def real_compute_records():
 def memory_records():
     from tfmulti.pipeline.runtime import peak_stashed_activations
 
-    p, m = FLAGS.num_devices, 8
+    p, m = FLAGS.num_devices, FLAGS.memory_microbatches
     x, y = _batch(FLAGS.batch_size)
     records = []
     for schedule in ("gpipe", "1f1b"):

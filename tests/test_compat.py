@@ -94,15 +94,18 @@ def test_non_chief_callbacks_write_to_scratch_and_resume_from_the_chief_backup(t
         keras.callbacks.TensorBoard(str(tmp_path / "model" / "logs")),
         keras.callbacks.BackupAndRestore(str(chief_backup)),
         keras.callbacks.EarlyStopping(),
+        keras.callbacks.CSVLogger(str(tmp_path / "model" / "log.csv")),
     ]
     scratch = tmp_path / "scratch"
     worker_paths.redirect_to_scratch(callbacks, str(scratch))
     worker_paths.redirect_to_scratch(callbacks, str(tmp_path / "elsewhere"))  # no second move
 
-    checkpoint, tensorboard, backup, _ = callbacks
+    checkpoint, tensorboard, backup, _, csv_logger = callbacks
     assert checkpoint.filepath.startswith(str(scratch))
     assert checkpoint.filepath.endswith("ckpt-{epoch}.keras")
     assert tensorboard.log_dir.startswith(str(scratch))
+    assert csv_logger.filename.startswith(str(scratch))
+    assert csv_logger.filename.endswith("log.csv")
     for path in (backup.backup_dir, backup._weights_path, backup._training_metadata_path):
         assert path.startswith(str(scratch))
     with open(backup._training_metadata_path) as file:

@@ -141,7 +141,7 @@ def test_tensor_parallel_transformer_saves_unsplit_and_predicts_the_same(
 
     np.testing.assert_allclose(predictions, model.predict(tokens, verbose=0), rtol=1e-4, atol=1e-5)
     # Only the model's own layers and Keras's: no split layers were rebuilt.
-    assert set(report["layer_modules"]) <= {"models.transformer"} | {
+    assert set(report["layer_modules"]) <= {"tfmulti.models.transformer"} | {
         module for module in report["layer_modules"] if module.startswith("keras.")
     }
 

@@ -216,7 +216,6 @@ def test_partition_policies_cut_every_stage_non_empty(partition):
         (["nowhere"], "No call named 'nowhere'"),
         (["a", "b"], "1 names for 2 stages"),
         ("balanced", "partition must be one of"),
-        ("time", "Received: sample_input=None"),
     ],
 )
 def test_bad_partition_is_refused_naming_it(partition, message):

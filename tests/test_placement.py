@@ -285,7 +285,6 @@ def test_place_reference_model_reads_a_placement_file(tmp_path):
         ({"device_map": {"embedding": 0}}, "transformer_block_0"),
         ({"device_map": {".*": 0}, "balance": "params"}, "balance='params'"),
         ({"balance": "flops"}, "flops"),
-        ({"balance": "time"}, "sample_input=None"),
     ],
 )
 def test_bad_device_map_is_a_one_line_error_naming_the_value(arguments, named):

@@ -9,6 +9,7 @@ import dataclasses
 
 DTYPE_POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "rmsprop")
+LR_SCHEDULE_NAMES = ("constant", "cosine", "linear")
 
 
 @dataclasses.dataclass
@@ -28,6 +29,13 @@ class TrainConfig:
     validation_steps: int | None = None
     optimizer: str = "adam"
     learning_rate: float = 1e-3
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    # A model the user's function returns compiled trains with its own optimizer unless
+    # this is False (scripts: one of --optimizer, --learning_rate, --lr_schedule,
+    # --warmup_steps is given); the four settings above then choose it.
+    keep_compiled_optimizer: bool = True
+    callbacks: str | None = None
     seed: int = 0
     model_dir: str = "runs/default"
     dtype: str = "float32"

@@ -142,7 +142,8 @@ def _listed(names: tuple[str, ...]) -> str:
     return f"{names[0]}, {names[1]} ... {names[-1]} ({len(names)})"
 
 
-def _stage_block_names(stage: keras.layers.Layer) -> tuple[str, ...]:
+def stage_block_names(stage: keras.layers.Layer) -> tuple[str, ...]:
+    """The names a stage's rows list: its blocks, its layer calls, or its own name."""
     if hasattr(stage, "blocks"):  # BlockStage: a reference model's blocks
         return tuple(block.name for block in stage.blocks)
     if hasattr(stage, "call_names"):  # GraphStage: calls of a user's model
@@ -190,7 +191,7 @@ def split_summary(model: keras.Model) -> SplitSummary | None:
         StageSplit(
             index,
             device,
-            _stage_block_names(stage),
+            stage_block_names(stage),
             params,
             stage_seconds,
             stage_seconds / total if stage_seconds is not None and total > 0 else None,
@@ -214,6 +215,24 @@ def split_summary(model: keras.Model) -> SplitSummary | None:
         replica_devices=tuple(tuple(replica.stage_devices) for replica in replicas),
         stage_cost="parameters" if measured is None else "measured seconds",
     )
+
+
+def placement_table(model: keras.Model) -> str:
+    """One line per block or layer call of a `PipelineModel` or `HybridPipelineModel`: its
+    stage and device (each replica's, for several).
+
+    Example:
+        >>> print(placement_table(pipeline_model))
+    """
+    replicas = getattr(model, "replicas", None) or [model]
+    stages = replicas[0].stages
+    rows = [
+        (name, str(index), ", ".join(short_device_name(r.stage_devices[index]) for r in replicas))
+        for index, stage in enumerate(stages)
+        for name in stage_block_names(stage)
+    ]
+    devices = "device" if len(replicas) == 1 else f"devices (replicas 0-{len(replicas) - 1})"
+    return format_table(rows, ("layer", "stage", devices))
 
 
 def _stage_seconds(measured: MeasuredStageSeconds | None, num_stages: int) -> list:

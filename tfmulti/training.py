@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 
@@ -37,6 +38,7 @@ from tfmulti.step_checkpoint import (
     find_resume_point,
 )
 from tfmulti.strategy import per_replica_batch_size
+from tfmulti.user_callbacks import load_callbacks
 
 
 def restarted_by_launcher() -> bool:
@@ -86,6 +88,7 @@ def standard_callbacks(
     cluster: ClusterInfo | None = None,
     resume_point: ResumePoint | None = None,
     cluster_resolver=None,
+    user_callbacks=(),
 ) -> tuple[list[keras.callbacks.Callback], StopOnNonFiniteLoss]:
     """Returns the callbacks every tfmulti run uses, and the NaN guard among them.
 
@@ -95,6 +98,8 @@ def standard_callbacks(
     restores its checkpoint and first finishes that epoch's remaining steps (`ResumeRun`).
     On SIGTERM the group saves a step checkpoint at an agreed step and raises `Preempted`
     (`cluster_resolver`: the multi-worker strategy's, for the agreement).
+    `user_callbacks` (`--callbacks`) run before tfmulti's records, so what they add to an
+    epoch's logs (ReduceLROnPlateau's `learning_rate`) is recorded too.
     """
     logs_dir = os.path.join(output_dir, "logs")
     nan_guard = StopOnNonFiniteLoss()
@@ -112,6 +117,7 @@ def standard_callbacks(
         ),
         step_checkpoint,
         EpochCheckpoint(os.path.join(output_dir, "checkpoints"), keep=config.keep_checkpoints),
+        *user_callbacks,
         RecordEpochs(record),
         _batch_hooks_idle(
             keras.callbacks.TensorBoard(os.path.join(config.model_dir, "logs"), profile_batch=0)
@@ -163,6 +169,24 @@ def _first_inputs(source: data_lib.ArrayData | data_lib.RecordData, batch_size: 
     return next(iter(source.train.batch(batch_size).take(1)))[0].numpy()
 
 
+# Marks the record `train` returns for a resumed run that had no epoch left to train.
+NOTHING_LEFT_TO_TRAIN = "nothing_left_to_train"
+
+
+def _nothing_left_to_train(config: TrainConfig, resume_point: ResumePoint) -> dict:
+    """Says in one line that a resumed run trained every epoch asked for; returns its
+    `metrics.json` record, marked `nothing_left_to_train`, leaving every file as it was."""
+    logging.info(
+        "Nothing left to train: --model_dir=%s has trained %d epoch(s) and --epochs=%d; "
+        "pass a larger --epochs to train on.",
+        config.model_dir,
+        resume_point.epoch,
+        config.epochs,
+    )
+    with open(os.path.join(config.model_dir, METRICS_FILE)) as handle:
+        return {**json.load(handle), NOTHING_LEFT_TO_TRAIN: True}
+
+
 def train(config: TrainConfig) -> dict:
     """Trains the model described by `config` and returns the `metrics.json` record.
 
@@ -183,8 +207,11 @@ def train(config: TrainConfig) -> dict:
         config.resume or restarted_by_launcher(),
         is_chief=cluster is None or cluster.is_chief,
     )
+    if resume_point and resume_point.epoch >= config.epochs:
+        return _nothing_left_to_train(config, resume_point)
     start_step = resume_point.global_step if resume_point else 0
 
+    user_callbacks = load_callbacks(config.callbacks)
     registry.check_model_accepts(config.model, data_lib.dataset_task(config.dataset))
     source = data_lib.load_source(config.dataset, data_path=config.data_path, seed=config.seed)
     registry.check_model_accepts(config.model, source.info.task, source.info.input_shape)
@@ -235,6 +262,7 @@ def train(config: TrainConfig) -> dict:
         cluster,
         resume_point,
         cluster_resolver=getattr(strategy, "cluster_resolver", None) if cluster else None,
+        user_callbacks=user_callbacks,
     )
     if hybrid and cluster is not None and not cluster.is_chief:
         # No multi-worker strategy scope here, so the compat fix does not redirect them.

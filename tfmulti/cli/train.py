@@ -5,6 +5,8 @@ Examples:
         --dataset=digits --batch_size=128 --epochs=5 --model_dir=runs/digits
     tfmulti-train --strategy=model_parallel --model=my_project.models:small_cnn \
         --model_option=width=64 --dataset=my_project.data:load --model_dir=runs/mine
+    tfmulti-train --strategy=pipeline --model=convnet --optimizer=sgd --learning_rate=0.1 \
+        --lr_schedule=cosine --warmup_steps=50 --callbacks=my_project.hooks:callbacks
 """
 
 import os
@@ -24,6 +26,7 @@ define_worker_console_flags()
 def _train(argv: list[str]) -> None:
     del argv
     from tfmulti.tf_startup import start_tensorflow
+    from tfmulti.training import NOTHING_LEFT_TO_TRAIN
 
     start_tensorflow(FLAGS.tf_log_level)
     if FLAGS.virtual_devices:
@@ -40,7 +43,7 @@ def _train(argv: list[str]) -> None:
     config = config_from_flags()
     quiet = quiet_unless_chief(resolve_run_cluster(config), FLAGS.verbose_workers)
     record = _train_or_report_timeout(config)
-    if quiet:
+    if quiet or record.get(NOTHING_LEFT_TO_TRAIN):
         return
     final = ", ".join(f"{name}={value:.4f}" for name, value in record["final"].items())
     logging.info("Final validation: %s", final)

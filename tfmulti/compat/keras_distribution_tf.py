@@ -9,8 +9,9 @@ Setting a `DataParallel` distribution (`set_distribution`, or its `scope()`) als
 `tf.distribute.MirroredStrategy` over the mesh's devices, which Keras' TensorFlow trainer
 already knows how to train with.
 
-Every touch of Keras internals lives in this module; the patches apply to the Keras
-versions checked by tests/test_compat_keras_distribution.py.
+A split weight's shards stand in the weight lists as one whole-shape view
+(`keras_whole_weights`). Every touch of Keras internals lives in these two modules; the
+patches apply to the Keras versions checked by tests/test_compat_keras_distribution.py.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.distribution import distribution_lib
 from keras.src.layers.layer import Layer
 
+from tfmulti.compat import keras_whole_weights
 from tfmulti.compat.keras_multi_worker import Fix, apply_each, keras_version
 
 # Checked on Keras 3.15.1 (tests/test_compat_keras_distribution.py); raise after checking.
@@ -297,6 +299,8 @@ PATCHES = (
         )
         for kind in ("train", "test", "predict")
     ),
+    # A split weight is listed whole in `weights`; training differentiates its shards.
+    *(_checked_patch(*spec) for spec in keras_whole_weights.PATCH_SPECS),
 )
 
 _ORIGINALS: dict[str, Callable] = {}

@@ -1,5 +1,9 @@
 """Fixes that let Keras 3 `fit`/`evaluate`/`predict` run under MultiWorkerMirroredStrategy.
 
+The symbolic-build fix also holds under every other tf.distribute strategy: the model is
+built from the input's spec, not from a batch drawn before training, so a run sees the
+same batches with a strategy as without one.
+
 Upstream: keras-team/keras#20585. Each fix replaces one named Keras function,
 delegates to the original wherever the original works, and applies only to the
 Keras versions known to need it.
@@ -16,6 +20,7 @@ import tensorflow as tf
 from keras.src import tree
 from keras.src.backend.tensorflow import trainer as tensorflow_trainer
 from keras.src.callbacks import callback_list
+from keras.src.trainers.data_adapters import tf_dataset_adapter
 
 from tfmulti.compat import worker_paths
 from tfmulti.compat.versions import version_tuple
@@ -74,15 +79,43 @@ def _first_local_value(strategy: tf.distribute.Strategy, value):
     return value
 
 
+def _symbolic_batch(iterator):
+    """Placeholders shaped like a batch of the epoch's tf.data input, or None.
+
+    None when the input is not a tf.data dataset of dense batches of known rank
+    (asking another input for its spec could cost a copy of the data).
+    """
+    adapter = getattr(iterator, "data_adapter", None)
+    if not isinstance(adapter, tf_dataset_adapter.TFDatasetAdapter):
+        return None
+    element_spec = adapter.get_tf_dataset().element_spec
+    specs = tree.flatten(element_spec)
+    if not all(isinstance(spec, tf.TensorSpec) and spec.shape.rank for spec in specs):
+        return None
+    return tree.pack_sequence_as(
+        element_spec,
+        [keras.KerasTensor((None, *spec.shape[1:]), spec.dtype.name) for spec in specs],
+    )
+
+
 def _build_from_one_replica(original: Callable) -> Callable:
     @functools.wraps(original)
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         strategy = self._distribute_strategy
-        if iterator is None or not is_multi_worker(strategy):
+        if iterator is None or strategy is None:
             return original(self, iterator=iterator, data_batch=data_batch)
-        # Building needs shapes and dtypes only. Upstream averages the batch over
-        # replicas with `strategy.reduce`, which under this strategy tries to convert
-        # the nested PerReplica batch to one tensor and fails.
+        # Building needs shapes and dtypes only. Upstream draws a batch through a
+        # throwaway iterator under any strategy (none without one), so a dataset that
+        # reshuffles on each new iterator, or a generator, trains on other batches than
+        # without a strategy; and the draw fails on a finite validation set that the
+        # last evaluation used up (a bare StopIteration).
+        symbolic_batch = _symbolic_batch(iterator)
+        if symbolic_batch is not None:
+            return original(self, data_batch=symbolic_batch)
+        if not is_multi_worker(strategy):
+            return original(self, iterator=iterator, data_batch=data_batch)
+        # Upstream averages the batch over replicas with `strategy.reduce`, which under
+        # this strategy tries to convert the nested PerReplica batch to one tensor and fails.
         for _, _, batches in iterator:
             batch = next(batches)
             data_batch = tree.map_structure(lambda v: _first_local_value(strategy, v), batch)

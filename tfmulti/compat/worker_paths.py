@@ -30,7 +30,7 @@ def scratch_dir() -> str:
 def redirect_to_scratch(callbacks: list, scratch: str) -> None:
     """Points the output paths of Keras's writing callbacks into `scratch`, in place.
 
-    ModelCheckpoint keeps its file name pattern; TensorBoard logs go to
+    ModelCheckpoint and CSVLogger keep their file names; TensorBoard logs go to
     `scratch/tensorboard`; BackupAndRestore backs up into scratch but first
     copies the chief's latest backup there, so a restarted worker resumes from
     the same state as the chief. Callbacks already redirected are left alone.
@@ -45,6 +45,10 @@ def redirect_to_scratch(callbacks: list, scratch: str) -> None:
         if isinstance(callback, keras.callbacks.ModelCheckpoint):
             name = os.path.basename(callback.filepath)
             callback.filepath = os.path.join(scratch, f"model_checkpoint_{id(callback)}", name)
+        elif isinstance(callback, keras.callbacks.CSVLogger):
+            name = os.path.basename(callback.filename)
+            callback.filename = os.path.join(scratch, f"csv_logger_{id(callback)}", name)
+            os.makedirs(os.path.dirname(callback.filename), exist_ok=True)
         elif isinstance(callback, keras.callbacks.TensorBoard):
             callback.log_dir = os.path.join(scratch, f"tensorboard_{id(callback)}")
         elif isinstance(callback, keras.callbacks.BackupAndRestore):

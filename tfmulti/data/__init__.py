@@ -21,6 +21,7 @@ from tfmulti.data.pipeline import (
     array_training_stream,
     make_datasets,
     make_datasets_from_source,
+    stream_training_batches,
 )
 from tfmulti.data.sources import DATASET_NAMES, check_dataset_name, dataset_task, load_source
 from tfmulti.data.synthetic import (
@@ -52,6 +53,7 @@ __all__ = [
     "load_user_dataset",
     "make_datasets",
     "make_datasets_from_source",
+    "stream_training_batches",
     "synthetic_classification",
     "synthetic_tokens",
     "write_tfrecord_examples",

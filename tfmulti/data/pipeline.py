@@ -15,6 +15,9 @@ from tfmulti.input_sharding import apply_shard_policy
 
 # Records are streamed, so their shuffle holds at most this many at a time.
 _RECORD_SHUFFLE_BUFFER = 10_000
+# Spaces the per-pass shuffle seeds of one `seed` apart from those of the next.
+_PASS_SEED_STRIDE = 1_000_003
+_PASS_GRAPH_SEED = 87_654_321
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,17 +128,17 @@ def make_datasets_from_source(
         )
         validation = tf.data.Dataset.from_tensor_slices((source.x_validation, source.y_validation))
     else:
-        train = (
-            source.train.shuffle(
-                min(info.num_train_examples, _RECORD_SHUFFLE_BUFFER),
-                seed=seed,
-                reshuffle_each_iteration=True,
-            )
-            .repeat()
-            .batch(global_batch_size, drop_remainder=True)
-            .skip(start_step)
+        train = stream_training_batches(
+            source.train,
+            info.num_train_examples,
+            global_batch_size,
+            seed=seed,
+            start_step=start_step,
         )
-        validation = source.validation
+        # Its size is known, so Keras starts each evaluation on a fresh pass.
+        validation = source.validation.apply(
+            tf.data.experimental.assert_cardinality(info.num_validation_examples)
+        )
     if total_steps is not None:
         train = train.take(total_steps)
     validation = validation.batch(global_batch_size, drop_remainder=True)
@@ -185,6 +188,45 @@ def array_training_stream(
         lambda batch: (tf.gather(x_tensor, batch), tf.gather(y_tensor, batch)),
         num_parallel_calls=tf.data.AUTOTUNE,
     )
+
+
+def stream_training_batches(
+    examples: tf.data.Dataset,
+    num_examples: int,
+    global_batch_size: int,
+    *,
+    seed: int,
+    start_step: int = 0,
+) -> tf.data.Dataset:
+    """Endless (x, y) batches of streamed examples; each pass is shuffled with its own seed.
+
+    Pass p is shuffled (in a buffer of up to 10,000 examples) with a seed made of `seed`
+    and p alone, not by a shuffle that reshuffles on each new iterator: so the batches do
+    not depend on how many iterators were made before (upstream Keras draws a batch
+    through a throwaway one under a tf.distribute strategy) nor on TensorFlow's global
+    seed, and two runs, two processes or a resumed run see the same batches. Passes run
+    into each other, as in `array_training_stream`.
+
+    Args:
+        examples: unbatched (x, y) examples, the same ones in the same order on each pass.
+        num_examples: how many `examples` gives per pass.
+        global_batch_size: rows per batch.
+        seed: chooses the shuffles.
+        start_step: batches to skip, e.g. those trained before a restart.
+    """
+    first_pass, offset = divmod(start_step * global_batch_size, num_examples)
+    buffer_size = min(num_examples, _RECORD_SHUFFLE_BUFFER)
+
+    def pass_order(pass_index):
+        # Shuffle seeds pair the graph's seed with the op's. Fixing this function's graph
+        # seed keeps TensorFlow's global seed out of the order, and a graph seed of 0
+        # would make TensorFlow test the (tensor) op seed as a Python bool.
+        tf.compat.v1.set_random_seed(_PASS_GRAPH_SEED)
+        pass_seed = tf.constant(seed, tf.int64) * _PASS_SEED_STRIDE + pass_index
+        return examples.shuffle(buffer_size, seed=pass_seed, reshuffle_each_iteration=False)
+
+    passes = tf.data.Dataset.counter(start=first_pass).flat_map(pass_order)
+    return passes.skip(offset).batch(global_batch_size, drop_remainder=True)
 
 
 def _check_batch_size(global_batch_size: int, info: DataInfo) -> None:

@@ -7,7 +7,7 @@ import os
 
 from absl import flags
 
-from tfmulti.config import DTYPE_POLICIES, OPTIMIZER_NAMES, TrainConfig
+from tfmulti.config import DTYPE_POLICIES, LR_SCHEDULE_NAMES, OPTIMIZER_NAMES, TrainConfig
 from tfmulti.flags.help import flag_group
 from tfmulti.launcher import VIRTUAL_DEVICES_ENV
 from tfmulti.names import (
@@ -23,6 +23,8 @@ from tfmulti.user_code import is_function_reference
 
 FLAGS = flags.FLAGS
 PLACEMENT_POLICIES = ("auto", "params", "time", "memory")
+# Any of these on the command line replaces the optimizer a user's model was compiled with.
+OPTIMIZER_FLAGS = ("optimizer", "learning_rate", "lr_schedule", "warmup_steps")
 
 
 def _parses_as_step_range(text: str | None) -> bool:
@@ -123,8 +125,50 @@ def define_loop_flags() -> None:
     flags.DEFINE_integer(
         "validation_steps", 0, "Validation steps; 0 means the whole set.", lower_bound=0
     )
-    flags.DEFINE_enum("optimizer", "adam", OPTIMIZER_NAMES, "Optimizer.")
-    flags.DEFINE_float("learning_rate", 1e-3, "Learning rate.", lower_bound=0.0)
+    flags.DEFINE_enum(
+        "optimizer",
+        "adam",
+        OPTIMIZER_NAMES,
+        "Optimizer. A model your --model=module:function returns compiled keeps its own "
+        "optimizer (schedule included) unless this, --learning_rate, --lr_schedule or "
+        "--warmup_steps is given.",
+    )
+    flags.DEFINE_float("learning_rate", 1e-3, "Peak learning rate.", lower_bound=0.0)
+    flags.DEFINE_enum(
+        "lr_schedule",
+        "constant",
+        LR_SCHEDULE_NAMES,
+        "Learning rate after the warm-up: constant, or cosine or linear decay to 0 at the "
+        "run's last step (--epochs x steps per epoch).",
+    )
+    flags.DEFINE_integer(
+        "warmup_steps",
+        0,
+        "Steps over which the learning rate climbs linearly from 0 to --learning_rate.",
+        lower_bound=0,
+    )
+    flags.register_multi_flags_validator(
+        ["warmup_steps", "steps_per_epoch", "epochs"],
+        lambda values: (
+            not values["steps_per_epoch"]
+            or values["warmup_steps"] < values["steps_per_epoch"] * values["epochs"]
+        ),
+        message="--warmup_steps must leave steps after the warm-up: fewer than --epochs x "
+        "--steps_per_epoch",
+    )
+    flags.DEFINE_string(
+        "callbacks",
+        None,
+        "Your Keras callbacks: package.module:function returning a list of "
+        "keras.callbacks.Callback (EarlyStopping, ReduceLROnPlateau, your own); they run "
+        "next to tfmulti's under every strategy.",
+    )
+    flags.register_validator(
+        "callbacks",
+        lambda reference: reference is None or is_function_reference(reference),
+        message="--callbacks must be package.module:function, e.g. "
+        "--callbacks=my_project.hooks:callbacks",
+    )
     flags.DEFINE_enum("dtype", "float32", DTYPE_POLICIES, "Keras dtype policy.")
     flags.DEFINE_boolean("jit_compile", False, "Compile train steps with XLA.")
     flags.DEFINE_integer(
@@ -434,6 +478,10 @@ def config_from_flags() -> TrainConfig:
         validation_steps=FLAGS.validation_steps or None,
         optimizer=FLAGS.optimizer,
         learning_rate=FLAGS.learning_rate,
+        lr_schedule=FLAGS.lr_schedule,
+        warmup_steps=FLAGS.warmup_steps,
+        keep_compiled_optimizer=not any(FLAGS[name].present for name in OPTIMIZER_FLAGS),
+        callbacks=FLAGS.callbacks,
         seed=FLAGS.seed,
         model_dir=FLAGS.model_dir,
         dtype=FLAGS.dtype,

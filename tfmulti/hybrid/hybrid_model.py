@@ -9,6 +9,7 @@ import tensorflow as tf
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from tfmulti.compat.keras_whole_weights import variables_holding
 from tfmulti.devices import variable_device
 from tfmulti.hybrid.worker_collectives import WorkerCollectives
 from tfmulti.pipeline.actions import Schedule
@@ -23,9 +24,11 @@ from tfmulti.pipeline.runtime.microbatches import (
 )
 from tfmulti.pipeline.runtime.optimizer_placement import place_optimizer_on_variable_devices
 from tfmulti.pipeline.runtime.pipeline_model import PipelineModel
+from tfmulti.split_summary import placement_table
+from tfmulti.wrapped_model import WrappedModel
 
 
-class HybridPipelineModel(OptimisedOnceSteps, keras.Model):
+class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, keras.Model):
     """A pipelined model copied into data-parallel replicas that train as one model.
 
     Each local replica is a `PipelineModel` on its own devices. A training step splits the
@@ -37,7 +40,9 @@ class HybridPipelineModel(OptimisedOnceSteps, keras.Model):
     same update, so copies stay equal and the step equals one-device training on the whole
     batch. Float non-trainable state (BatchNorm statistics) is averaged over the replicas
     after each step. Each copy keeps its own optimizer slots on its own devices. `evaluate`
-    and `predict` split the batch over the local replicas.
+    and `predict` split the batch over the local replicas. Weights, `count_params`, saving
+    and `summary` are one copy's: the plain model's (see `WrappedModel`); weights set or
+    loaded go into every copy.
 
     Args:
         make_stages: returns a new list of unbuilt stages, the same model at every call;
@@ -125,9 +130,28 @@ class HybridPipelineModel(OptimisedOnceSteps, keras.Model):
         holds the same weights); see `PipelineModel.to_model`."""
         return self.replicas[0].to_model()
 
-    def save(self, filepath, overwrite=True, **kwargs):
-        """Saves `to_model()`: an ordinary model, loadable without tfmulti."""
-        self.replicas[0].save(filepath, overwrite=overwrite, **kwargs)
+    def placement_table(self) -> str:
+        """One line per block or layer call: its stage and each replica's device for it."""
+        return placement_table(self)
+
+    def _model_weights(self) -> list:
+        return self.replicas[0].weights
+
+    def _parts_built(self) -> bool:
+        return self.replicas[0]._parts_built()
+
+    def _weights_changed(self) -> None:
+        """Copies replica 0's weights, just set or loaded, into the other copies."""
+        if not all(replica._parts_built() for replica in self.replicas):
+            return
+        self._copy_first_replica()
+
+    def fit(self, *args, **kwargs):
+        history = super().fit(*args, **kwargs)
+        # An EMA optimizer's final averages overwrite the trainable weights (one copy's).
+        if self.optimizer is not None and self.optimizer.use_ema:
+            self._weights_changed()
+        return history
 
     def build(self, input_shape=None):
         # Replicas are built on their devices at the first call, once input dtypes are known.
@@ -182,7 +206,7 @@ class HybridPipelineModel(OptimisedOnceSteps, keras.Model):
         for replica in self.replicas:
             replica.build_stages(inputs)
         with tf.init_scope():
-            source = list(self.replicas[0].weights)
+            source = _held_variables(self.replicas[0])
             if self.worker_collectives is not None:
                 values = self.worker_collectives.broadcast_from_chief(
                     [v.value for v in source],
@@ -191,10 +215,14 @@ class HybridPipelineModel(OptimisedOnceSteps, keras.Model):
                 )
                 for variable, value in zip(source, values, strict=True):
                     variable.assign(value)
-            for replica in self.replicas[1:]:
-                for variable, reference in zip(replica.weights, source, strict=True):
-                    variable.assign(reference.value)
+            self._copy_first_replica()
         self._replicas_synced = True
+
+    def _copy_first_replica(self) -> None:
+        source = _held_variables(self.replicas[0])
+        for replica in self.replicas[1:]:
+            for variable, reference in zip(_held_variables(replica), source, strict=True):
+                variable.assign(reference.value)
 
     def _step_totals(self, local: BatchTotals) -> BatchTotals:
         """The rows (and sample-weight sum) of the step's batch on every worker together."""
@@ -230,7 +258,7 @@ class HybridPipelineModel(OptimisedOnceSteps, keras.Model):
         if self.worker_collectives is None:
             return summed
         # Instance keys after the ones _build_replicas used for the weights.
-        first_key = len(self.replicas[0].weights) + 1
+        first_key = len(_held_variables(self.replicas[0])) + 1
         return self.worker_collectives.sum(
             summed, devices, keys=range(first_key, first_key + len(summed))
         )
@@ -262,7 +290,9 @@ class HybridPipelineModel(OptimisedOnceSteps, keras.Model):
     def _totals_key(self) -> int:
         """The cross-worker instance key of the step's totals: after the keys of the
         initial weights (1 to W) and of the gradients (W + 1 to W + T)."""
-        return len(self.replicas[0].weights) + len(self.replicas[0].trainable_variables) + 1
+        return (
+            len(_held_variables(self.replicas[0])) + len(self.replicas[0].trainable_variables) + 1
+        )
 
     def _loss_key(self) -> int:
         """The cross-worker instance key of the loss, after the totals' key."""
@@ -282,3 +312,8 @@ def _each(sizes) -> list:
     return [
         sizes[index] for index in range(len(sizes) if isinstance(sizes, list) else sizes.shape[0])
     ]
+
+
+def _held_variables(replica: keras.Model) -> list:
+    """The variables behind a replica's weights, each split weight as its shards."""
+    return [variable for weight in replica.weights for variable in variables_holding(weight)]

@@ -24,6 +24,7 @@ from tfmulti.parallel.shard_devices import resolve_shard_devices
 from tfmulti.parallel.sharded_layer import (
     TensorParallelLayer,
     set_unsplit_weights,
+    shards_of,
     unsplit_weights,
 )
 from tfmulti.parallel.split_dense import ColumnParallelDense, RowParallelDense
@@ -62,6 +63,7 @@ __all__ = [
     "set_tensor_reduction",
     "set_unsplit_weights",
     "shard",
+    "shards_of",
     "tensor_reduction",
     "tensor_reduction_scope",
     "unsplit_model",

@@ -30,7 +30,9 @@ from tfmulti.parallel.placement_map import (
 from tfmulti.parallel.placement_summary import LayerPlacement, PlacementSummary
 from tfmulti.pipeline.runtime.cost_cache import CostCache, as_cost_cache
 from tfmulti.pipeline.runtime.optimizer_placement import place_optimizer_on_variable_devices
+from tfmulti.pipeline.runtime.spec_sample import sample_from_input_specs
 from tfmulti.variable_moves import move_variable
+from tfmulti.wrapped_model import WrappedModel
 
 # Each unit runs in a name scope carrying its device index; TensorFlow names a gradient op
 # after its forward op's scope, which is how backward ops find their unit's device.
@@ -38,13 +40,14 @@ _SCOPE_PREFIX = "tfmulti_device_"
 _SCOPE_PATTERN = re.compile(_SCOPE_PREFIX + r"(\d+)(?:_\d+)*/")
 
 
-class PlacedModel(keras.Model):
+class PlacedModel(WrappedModel, keras.Model):
     """A functional model whose units run, and keep variables and optimizer state, on devices.
 
     Shares its layers (and so its weights and weight-file layout) with the model it was
-    made from. Made by `place`; compile, fit, evaluate, predict, callbacks and
-    save_weights/load_weights work as for any Keras model, and `save("file.keras")` writes
-    the model it was made from (`to_model()`), loadable on one device. Backward ops are placed when
+    made from. Made by `place`; compile, fit, evaluate, predict and callbacks work as for
+    any Keras model; weights, `count_params`, saving and `summary` are those of the model
+    it was made from (`to_model()`, see `WrappedModel`), so `save("file.keras")` and
+    `save_weights` write files that load on one device. Backward ops are placed when
     the step is traced (the default); `run_eagerly=True` runs backward on the default
     device, and XLA (`jit_compile=True`) is refused since it would ignore the devices.
 
@@ -77,9 +80,15 @@ class PlacedModel(keras.Model):
         """The model that was placed: the same layers, so it holds the trained weights."""
         return self._source_model()
 
-    def save(self, filepath, *args, **kwargs):
-        """Saves `to_model()` (see `keras.Model.save`); it loads and runs on one device."""
-        self.to_model().save(filepath, *args, **kwargs)
+    def placement_table(self) -> str:
+        """One line per layer: its device and cost, then each device's load."""
+        return str(self.placement_summary)
+
+    def _model_weights(self) -> list:
+        return self.to_model().weights
+
+    def _parts_built(self) -> bool:
+        return True
 
     def compile(self, *args, jit_compile=False, **kwargs):
         """Like `keras.Model.compile`; the optimizer's slots follow their variables' devices."""
@@ -146,8 +155,9 @@ def place(
             the accelerator type by default.
         balance: instead of a map, "params", "time" or "memory": contiguous runs of units
             in topological order, split by the balancer on costs measured from the layers.
-        sample_input: one batch of model input; needed by "time" and "memory", and adds
-            measured time and memory to the summary.
+        sample_input: one batch of model input; adds measured time and memory to the
+            summary. "time" and "memory" make one from the model's input specs when None
+            (every input axis but the batch known).
         print_fn: prints the summary; None to stay quiet.
         cost_cache: where the layers' measured seconds are kept for the next placement of
             the same model (a JSON file's path or a `CostCache`); cached layers are not
@@ -173,10 +183,7 @@ def place(
             f"balance must be one of {list(BALANCE_POLICIES)}. Received: balance={balance!r}"
         )
     if balance in ("time", "memory") and sample_input is None:
-        raise ValueError(
-            f"balance={balance!r} measures the layers on a sample batch. Received: "
-            "sample_input=None; pass one batch of model input."
-        )
+        sample_input = sample_from_input_specs(model, f"balance={balance!r}")
     devices = resolve_device_list(devices, logical_device_names())
     units = graph_units(model)
     blocks = unit_blocks(

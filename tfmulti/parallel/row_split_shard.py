@@ -9,7 +9,7 @@ import keras
 from tfmulti.parallel.sharded_layer import ShardedWeight
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False, repr=False)
 class RowSplitShard(ShardedWeight):
     """One shard of a weight, split again along `axis` over a mesh's rows: piece r on row r.
 

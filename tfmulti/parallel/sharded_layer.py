@@ -10,6 +10,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmulti.compat import keras_whole_weights
+from tfmulti.devices import variable_device
 from tfmulti.parallel.communication import CommunicationBytes
 from tfmulti.parallel.device_compute import run_on_device
 from tfmulti.parallel.shard_devices import resolve_shard_devices
@@ -36,12 +38,23 @@ def pin_deferred_initialization(variable: keras.Variable, device: str) -> keras.
     return variable
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False, repr=False)
 class ShardedWeight:
-    """One weight of the unsplit layer, held as K variables split along `axis`."""
+    """One weight of the unsplit layer, held as K variables split along `axis`.
+
+    It stands in the layer's `weights` where the shards would (so `get_weights()`,
+    `set_weights()` and `count_params()` see the unsplit layer's weights): `shape` is the
+    whole shape, `numpy()` joins the shards and `assign` splits a whole value into them.
+    Training reads and updates the shards (`variables`, also in the layer's `variables`).
+    """
 
     shards: list
     axis: int
+    path: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -51,8 +64,40 @@ class ShardedWeight:
         return tuple(shape)
 
     @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
     def dtype(self):
         return self.shards[0].dtype
+
+    @property
+    def variables(self) -> list:
+        """The variables holding the weight, shard by shard (a row-split shard's pieces)."""
+        return [
+            variable for shard in self.shards for variable in getattr(shard, "shards", (shard,))
+        ]
+
+    @property
+    def trainable(self) -> bool:
+        return self.variables[0].trainable
+
+    @trainable.setter
+    def trainable(self, value: bool) -> None:
+        for variable in self.variables:
+            variable.trainable = value
+
+    # A split weight has neither (`layer_sharding` keeps such weights whole).
+    regularizer = None
+    constraint = None
+
+    @property
+    def value(self):
+        """The whole value, joined on the first shard's device."""
+        with tf.device(variable_device(self.variables[0])):
+            return keras.ops.concatenate(
+                [keras.ops.convert_to_tensor(shard) for shard in self.shards], self.axis
+            )
 
     def unsplit_value(self) -> np.ndarray:
         return np.concatenate(
@@ -83,13 +128,51 @@ class ShardedWeight:
         ):
             shard.assign(piece)
 
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} path={self.path} shape={self.shape} "
+            f"dtype={keras.backend.standardize_dtype(self.dtype)} shards={len(self.shards)}>"
+        )
+
+
+def _read_whole(weight: ShardedWeight, dtype=None, name=None, as_ref=False):
+    del name, as_ref
+    value = weight.value
+    return value if dtype is None else tf.cast(value, dtype)
+
+
+# A whole weight reads as a tensor where one is expected (`tf.reduce_sum(model.weights[0])`).
+tf.register_tensor_conversion_function(ShardedWeight, _read_whole)
+
+
+def stand_for_shards(view: ShardedWeight) -> ShardedWeight:
+    """Makes `view` stand in its layer's weight lists for its shards; returns it."""
+    keras_whole_weights.stand_for(view, view.variables)
+    return view
+
+
+def shards_of(weight) -> list:
+    """The variables holding one of a model's `weights` on its devices.
+
+    For a weight split over devices (by `keras.distribution.ModelParallel`, `shard`, or
+    a tensor-parallel layer), its shards in order (a shard split again over a mesh's rows
+    gives its pieces); for a whole weight, the weight itself. `model.variables` lists
+    all of them, as training and `variable_bytes_per_device` see them.
+
+    Example:
+        >>> [shard.shape for shard in shards_of(model.weights[0])]
+        [(32, 32), (32, 32), (32, 32), (32, 32)]
+    """
+    return keras_whole_weights.variables_holding(weight)
+
 
 class TensorParallelLayer(keras.layers.Layer):
     """A Keras layer whose weights are split over devices, shard k on `devices[k]`.
 
     Its input and output live on the home device, `devices[0]`. Subclasses create split
     weights with `add_sharded_weight`, in the order of the unsplit layer's weights, so
-    `get_unsplit_weights()` matches the unsplit layer's `get_weights()`.
+    its `weights` and `get_weights()` match the unsplit layer's (each split weight listed
+    whole, a `ShardedWeight`); `variables` lists the shards.
 
     Args:
         devices: one device name per shard (K = len(devices)).
@@ -124,7 +207,9 @@ class TensorParallelLayer(keras.layers.Layer):
                     initializer=lambda shape, dtype, piece=piece: keras.ops.cast(piece, dtype),
                 )
             shards.append(pin_deferred_initialization(shard, device))
-        self.sharded_weights.append(ShardedWeight(shards, axis))
+        parent = shards[0].path.rpartition("/")[0]
+        path = f"{parent}/{name}" if parent else name
+        self.sharded_weights.append(stand_for_shards(ShardedWeight(shards, axis, path)))
         return shards
 
     def on_each_shard(self, shard_function: Callable, shard_inputs: Sequence) -> list:
@@ -144,12 +229,12 @@ class TensorParallelLayer(keras.layers.Layer):
         return pin_deferred_initialization(weight, self.devices[0])
 
     def get_unsplit_weights(self) -> list[np.ndarray]:
-        """Returns the weights in the unsplit layer's layout and order."""
-        return unsplit_weights(self)
+        """Returns the weights in the unsplit layer's layout and order (`get_weights()`)."""
+        return self.get_weights()
 
     def set_unsplit_weights(self, weights: Sequence) -> None:
-        """Loads weights given in the unsplit layer's layout and order (its `get_weights()`)."""
-        set_unsplit_weights(self, weights)
+        """Loads weights given in the unsplit layer's layout and order (`set_weights`)."""
+        self.set_weights(weights)
 
     def communication_bytes(self, input_shape: Sequence[int]) -> CommunicationBytes:
         """Returns the bytes this layer moves between devices per forward and backward pass."""
@@ -161,62 +246,22 @@ class TensorParallelLayer(keras.layers.Layer):
         return config
 
 
-def _sharded_weights_by_variable(layer: keras.layers.Layer) -> dict:
-    # Keras's own walk over nested layers; there is no public one for a plain Layer.
-    by_variable = {}
-    for sublayer in layer._flatten_layers(include_self=True, recursive=True):
-        for sharded in getattr(sublayer, "sharded_weights", ()):
-            for shard in sharded.shards:
-                # A shard split over mesh rows (`RowSplitShard`) is held by its pieces.
-                for variable in getattr(shard, "shards", (shard,)):
-                    by_variable[id(variable)] = sharded
-    return by_variable
-
-
-def _unsplit_slots(layer: keras.layers.Layer) -> list:
-    """Returns `layer.weights` with each sharded weight's shards replaced by one ShardedWeight."""
-    by_variable = _sharded_weights_by_variable(layer)
-    slots, seen = [], set()
-    for variable in layer.weights:
-        sharded = by_variable.get(id(variable))
-        if sharded is None:
-            slots.append(variable)
-        elif id(sharded) not in seen:
-            seen.add(id(sharded))
-            slots.append(sharded)
-    return slots
-
-
 def unsplit_weights(layer: keras.layers.Layer) -> list[np.ndarray]:
-    """Returns `layer.get_weights()` with every tensor-parallel weight joined to its full shape.
+    """Returns `layer.get_weights()`: every split weight is listed whole in `weights`.
 
-    Works on a split layer or on any layer or model containing them, so a model built
-    with tensor parallelism can be compared with, or saved for, the unsplit model.
+    Kept for code written when `get_weights()` gave the shards; works on any layer or
+    model, split by tensor-parallel layers, `shard` or `keras.distribution`.
 
     Example:
-        >>> weights = unsplit_weights(parallel_model)  # == unsplit_model.get_weights() layout
+        >>> weights = unsplit_weights(parallel_model)  # == unsplit_model.get_weights()
     """
-    return [
-        slot.unsplit_value()
-        if isinstance(slot, ShardedWeight)
-        else keras.ops.convert_to_numpy(slot)
-        for slot in _unsplit_slots(layer)
-    ]
+    return layer.get_weights()
 
 
 def set_unsplit_weights(layer: keras.layers.Layer, weights: Sequence) -> None:
-    """Loads weights in the unsplit layout (`unsplit_model.get_weights()`) into `layer`.
+    """Calls `layer.set_weights(weights)`, which takes the unsplit layout.
 
     Example:
         >>> set_unsplit_weights(parallel_model, unsplit_model.get_weights())
     """
-    slots = _unsplit_slots(layer)
-    if len(slots) != len(weights):
-        raise ValueError(
-            f"Expected {len(slots)} weights in the unsplit layout. Received: {len(weights)}"
-        )
-    for slot, value in zip(slots, weights, strict=True):
-        if isinstance(slot, ShardedWeight):
-            slot.assign_unsplit(value)
-        else:
-            slot.assign(value)
+    layer.set_weights(weights)

@@ -12,24 +12,20 @@ import tensorflow as tf
 from tfmulti.compat import keras_distribution_tf
 from tfmulti.parallel.mesh_layout import ShardPlan
 from tfmulti.parallel.row_split_shard import RowSplitShard, shard_variables
-from tfmulti.parallel.sharded_layer import ShardedWeight
+from tfmulti.parallel.sharded_layer import ShardedWeight, stand_for_shards
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False, repr=False)
 class ShardedVariable(ShardedWeight):
     """Stands where a layer kept a whole variable that now lives as shards on devices.
 
     Reading it (`numpy()`, `np.asarray`, `value`) joins the shards; `assign` splits a
     whole value into them, so a layer's own weight saving and loading keeps the unsplit
-    layout. Training reads and updates the shards, which are the layer's variables.
+    layout. It is listed in the layer's `weights` in the variable's place; training reads
+    and updates the shards, which are the layer's `variables`.
     """
 
-    path: str = ""
     devices: tuple[str, ...] = ()
-
-    @property
-    def name(self) -> str:
-        return self.path.rsplit("/", 1)[-1]
 
     @property
     def value(self):
@@ -82,7 +78,9 @@ def split_variable(layer: keras.layers.Layer, variable, plan: ShardPlan) -> Shar
                 )
     replacements = [held for shard in shards for held in shard_variables(shard)]
     keras_distribution_tf.replace_own_variable(layer, variable, replacements)
-    return ShardedVariable(shards, plan.axis, path=variable.path, devices=plan.devices)
+    return stand_for_shards(
+        ShardedVariable(shards, plan.axis, path=variable.path, devices=plan.devices)
+    )
 
 
 def _new_variable(like, value: np.ndarray, name: str, device: str) -> keras.Variable:

@@ -20,6 +20,9 @@ def _storage_bytes(variable) -> int:
 def variable_bytes_per_device(model: keras.Model, part: str = "model") -> dict[str, int]:
     """Returns the bytes of variables held on each device, keyed "/device:CPU:0" etc.
 
+    Counts `model.variables`, where a sharded weight is its shards (`shards_of`), not
+    `model.weights`, where it is listed whole.
+
     Args:
         model: a Keras model (sharded or not).
         part: "model" counts the model's variables (weights and non-trainable state) only;

@@ -77,8 +77,8 @@ class ModelSource:
     def loss_and_metrics(self) -> tuple[object, object]:
         """The loss and metrics to compile with.
 
-        A model the user's function compiled keeps its own loss and metrics (tfmulti's
-        flags choose the optimizer); any other model trains logits against integer labels.
+        A model the user's function compiled keeps its own loss and metrics; any other
+        model trains logits against integer labels.
         """
         model = self._model
         if model is None or not getattr(model, "compiled", False) or model.loss is None:
@@ -88,6 +88,25 @@ class ModelSource:
             keras.saving.deserialize_keras_object(compile_config["loss"]),
             keras.saving.deserialize_keras_object(compile_config["metrics"]),
         )
+
+    def compiled_optimizer(self) -> keras.optimizers.Optimizer | None:
+        """A new copy of the optimizer the user's function compiled the model with, or None.
+
+        The copy is made from the optimizer's config, its learning-rate schedule included,
+        so it is bound to no variables: ways of spreading that copy or rebuild the model
+        train the copy's variables with it.
+
+        Raises:
+            ValueError: the optimizer cannot be re-created from its config (a custom class
+                that Keras cannot deserialize); one line.
+        """
+        model = self._model
+        if model is None or not getattr(model, "compiled", False):
+            return None
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is None:
+            return None
+        return _copy_optimizer(self.name, optimizer)
 
 
 def model_source(config: TrainConfig, info: DataInfo) -> ModelSource:
@@ -169,3 +188,26 @@ def _check_scores_cover_labels(reference: str, model: keras.Model, num_classes: 
             f"go up to {num_classes - 1} ({num_classes} classes); end the model in "
             f"{num_classes} outputs, or check --dataset's labels."
         )
+
+
+def _copy_optimizer(reference: str, optimizer: keras.optimizers.Optimizer):
+    """`optimizer` re-created from its config; its own classes are passed to Keras so that a
+    user's optimizer or schedule need not be registered to be copied."""
+    optimizers = [optimizer, getattr(optimizer, "inner_optimizer", optimizer)]
+    schedules = [
+        part._learning_rate
+        for part in optimizers
+        if isinstance(part._learning_rate, keras.optimizers.schedules.LearningRateSchedule)
+    ]
+    custom_objects = {type(part).__name__: type(part) for part in optimizers + schedules}
+    try:
+        return keras.optimizers.deserialize(
+            keras.optimizers.serialize(optimizer), custom_objects=custom_objects
+        )
+    except Exception as error:  # noqa: BLE001 - any failure means the config cannot rebuild it
+        reason = (str(error).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"--model={reference} compiled its model with {type(optimizer).__name__}, which "
+            f"tfmulti cannot re-create from its config ({type(error).__name__}: {reason}); give "
+            "it get_config/from_config, or choose one with --optimizer and --learning_rate."
+        ) from None

@@ -25,6 +25,7 @@ from tfmulti.pipeline.balance import Block, balance
 from tfmulti.pipeline.runtime.cost_cache import CostCache, block_signature
 from tfmulti.pipeline.runtime.graph_stages import run_calls
 from tfmulti.pipeline.runtime.partition import BlockTimings
+from tfmulti.pipeline.runtime.spec_sample import sample_from_input_specs
 
 GRAPH_PARTITION_POLICIES = ("uniform", "params", "time", "memory")
 # The balancer simulates one-stage-per-device schedules; others are balanced as 1F1B.
@@ -55,7 +56,8 @@ def choose_boundaries(
             indices into `graph.nodes` (as another copy of the model was cut).
         num_microbatches: micro-batches per step, for the simulated step time.
         schedule: the pipeline's schedule (a name is simulated; anything else as 1F1B).
-        sample_input: one micro-batch of model input; "time" and "memory" need it.
+        sample_input: one micro-batch of model input for "time" and "memory"; made from
+            the model's input specs if None (`sample_from_input_specs`).
         cost_cache: call timings kept between runs ("time" only).
 
     Example:
@@ -86,10 +88,7 @@ def choose_boundaries(
             f"names where stages 1.. begin. Received: partition={partition!r}"
         )
     if policy in ("time", "memory") and sample_input is None:
-        raise ValueError(
-            f"partition={policy!r} measures the model on a sample batch. Received: "
-            "sample_input=None; pass one micro-batch of model input."
-        )
+        sample_input = sample_from_input_specs(model, f"partition={policy!r}")
     blocks = call_blocks(
         model,
         graph,

@@ -34,7 +34,8 @@ def stages_from_model(
         partition: see `choose_boundaries`.
         num_microbatches: micro-batches per step, for the "time" policy's simulation.
         schedule: the pipeline's schedule, for the "time" policy's simulation.
-        sample_input: one micro-batch of model input.
+        sample_input: one micro-batch of model input; "time" and "memory" make one from
+            the model's input specs when None and every input axis but the batch is known.
         cost_cache: call timings kept between runs, for the "time" policy.
 
     Example:

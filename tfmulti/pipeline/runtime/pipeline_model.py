@@ -43,9 +43,11 @@ from tfmulti.pipeline.runtime.placement import (
 )
 from tfmulti.pipeline.runtime.rolled_forward import forward_microbatches
 from tfmulti.pipeline.runtime.schedule_choice import resolve_schedule
+from tfmulti.split_summary import placement_table
+from tfmulti.wrapped_model import WrappedModel
 
 
-class PipelineModel(OptimisedOnceSteps, keras.Model):
+class PipelineModel(WrappedModel, OptimisedOnceSteps, keras.Model):
     """A Keras model made of stages on several devices, trained by a pipeline schedule.
 
     Each training step splits the batch, of any size, into `num_microbatches` micro-batches
@@ -56,7 +58,8 @@ class PipelineModel(OptimisedOnceSteps, keras.Model):
     the summed gradients and the loss equal the full batch's. Each stage's variables and
     optimizer slots live on its device. `evaluate` and `predict` run the stages in turn on
     each micro-batch. Layers that update state from batch statistics (BatchNorm) see every
-    micro-batch, so an empty one gives them NaN statistics.
+    micro-batch, so an empty one gives them NaN statistics. Weights, `count_params`,
+    saving and `summary` are those of `to_model()`, the plain model (see `WrappedModel`).
 
     Args:
         stages: Keras layers, one per stage; with p devices and v chunks per device, pass
@@ -121,8 +124,9 @@ class PipelineModel(OptimisedOnceSteps, keras.Model):
         self._train_functions = {}
         # A plain holder: Keras would track a variable attribute as model state.
         self._stamp_holder = types.SimpleNamespace(buffer=None)
-        # The model `from_model` cut (None for a stage list) and the input spec seen first.
-        self._export = types.SimpleNamespace(model=None, input_spec=None)
+        # The model `from_model` cut (None for a stage list), the input spec seen first and
+        # the stages chained into a model once that spec is known.
+        self._export = types.SimpleNamespace(model=None, input_spec=None, chained=None)
 
     def compile(self, *args, jit_compile=False, **kwargs):
         """Like `keras.Model.compile`. `jit_compile=True` compiles each stage's functions
@@ -320,7 +324,9 @@ class PipelineModel(OptimisedOnceSteps, keras.Model):
             partition: "uniform", "params", "time", "memory" (the last two measure on
                 `sample_input`), or the names of the layers where stages 1.. begin.
             remat: as for `PipelineModel`.
-            sample_input: one micro-batch of model input, for "time" and "memory".
+            sample_input: one micro-batch of model input, for "time" and "memory"; if
+                None, made from the model's input specs (needs every input axis but the
+                batch known).
             cost_cache: with "time", where the measured seconds are kept for the next cut
                 of the same model: a JSON file's path or a `CostCache` (whose
                 `remeasure=True` times again). Calls that cost the same (equal layers on
@@ -358,7 +364,8 @@ class PipelineModel(OptimisedOnceSteps, keras.Model):
 
         For `from_model`, the model passed in (its weights are the ones trained, in its
         own order); for a stage list, the stages chained as a functional model. Save it,
-        or load it elsewhere, to serve on one device.
+        or load it elsewhere, to serve on one device; `save`, `save_weights` and
+        `load_weights` use it.
 
         Example:
             >>> pipe.to_model().predict(x)  # doctest: +SKIP
@@ -370,26 +377,29 @@ class PipelineModel(OptimisedOnceSteps, keras.Model):
                 f"{self.name!r} has not seen an input yet, so its stages cannot be chained "
                 "into a model. Call it on one batch (or build_stages(x)) first."
             )
-        return chained_model(self.stages, self._export.input_spec, name=f"{self.name}_chained")
+        if self._export.chained is None:
+            self._export.chained = chained_model(
+                self.stages, self._export.input_spec, name=f"{self.name}_chained"
+            )
+        return self._export.chained
 
-    def save(self, filepath, overwrite=True, **kwargs):
-        """Saves `to_model()`, a plain Keras model that `keras.saving.load_model` loads
-        anywhere, without tfmulti building a pipeline."""
-        self.to_model().save(filepath, overwrite=overwrite, **kwargs)
+    def placement_table(self) -> str:
+        """One line per block or layer call: its stage and device."""
+        return placement_table(self)
 
-    def save_weights(self, filepath, overwrite=True, **kwargs):
-        """Like `keras.Model.save_weights`; a `from_model` pipeline writes the file of the
-        model passed in, so it loads into that model on one device, and back."""
-        if self._export.model is None:
-            return super().save_weights(filepath, overwrite=overwrite, **kwargs)
-        return self._export.model.save_weights(filepath, overwrite=overwrite, **kwargs)
+    def _model_weights(self) -> list:
+        if self._export.model is not None:
+            return self._export.model.weights
+        # Chained, the stages list their weights in this order too.
+        weights, seen = [], set()
+        for weight in (w for stage in self.stages for w in stage.weights):
+            if id(weight) not in seen:
+                seen.add(id(weight))
+                weights.append(weight)
+        return weights
 
-    def load_weights(self, filepath, **kwargs):
-        """Like `keras.Model.load_weights`; a `from_model` pipeline reads the file of the
-        model passed in (its variables keep their devices)."""
-        if self._export.model is None:
-            return super().load_weights(filepath, **kwargs)
-        return self._export.model.load_weights(filepath, **kwargs)
+    def _parts_built(self) -> bool:
+        return self._stages_built()
 
     def optimizer_variable_order(self) -> list:
         """The trainable variables in the order training steps hand them to the optimizer.

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
+from tfmulti.compat.keras_whole_weights import variables_holding
 from tfmulti.devices import variable_device
 from tfmulti.pipeline.runtime.graph_cut import GraphCut, ops_between
 
@@ -32,7 +33,9 @@ def refuse_xla_over_devices(stage) -> None:
     XLA compiles a function for one device, so a stage split over a tensor group (its
     shards on several devices) cannot be compiled whole.
     """
-    held_on = sorted({variable_device(variable) for variable in stage.weights})
+    held_on = sorted(
+        {variable_device(shard) for weight in stage.weights for shard in variables_holding(weight)}
+    )
     if len(held_on) > 1:
         raise ValueError(
             f"Stage {stage.name!r} holds its variables on {len(held_on)} devices "

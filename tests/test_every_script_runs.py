@@ -1,0 +1,241 @@
+"""Every script under scripts/ runs its main path at its smallest size and prints or writes
+what it promises: JSON that parses, with sane keys and values, and valid PNG pictures.
+
+`train.py`, `launch.py` and `plan_pipeline.py` have files of their own, and `plan.py`
+measures, saves, validates and prints JSON as docs/planner.md shows it, in
+test_documented_commands.py (MAIN_PATH_TESTS); this file runs the benchmarks. The
+`mesh3d` section of benchmark_parallel.py runs as BUILD.md documents it.
+"""
+
+import glob
+import json
+import math
+import os
+
+import pytest
+from script_runner import REPO_ROOT, run_script
+
+# Where each script's main path runs; test_every_script_has_a_test_of_its_main_path holds it.
+MAIN_PATH_TESTS = {
+    "train.py": "test_train_script.py",
+    "launch.py": "test_launcher.py",
+    "plan_pipeline.py": "test_plan_pipeline_script.py",
+    "plan.py": "test_documented_commands.py",
+    "benchmark_dp.py": "test_every_script_runs.py",
+    "benchmark_parallel.py": "test_every_script_runs.py",
+    "benchmark_pipeline.py": "test_every_script_runs.py",
+    "benchmark_startup.py": "test_every_script_runs.py",
+}
+
+# The smallest run of each benchmark; test_documented_commands.py shrinks the documented
+# commands with the same flags (the last value of a flag wins).
+SMALLEST = {
+    "benchmark_dp.py": (
+        "--virtual_devices=2",
+        "--steps=2",
+        "--epochs_per_round=2",
+        "--rounds=1",
+        "--features=8",
+        "--width=8",
+        "--batch_size=8",
+    ),
+    "benchmark_parallel.py": (
+        "--d_models=8",
+        "--sequence_length=4",
+        "--rows=8",
+        "--steps=1",
+        "--rounds=1",
+        "--llama_ways=1,2",
+        "--llama_hidden_dim=8",
+        "--llama_batch_size=2",
+        "--meshes=data=2,pipe=2,tensor=2",
+        "--mesh3d_layers=2",
+        "--mesh3d_global_batch=8",
+        "--mesh3d_steps=1",
+        "--mesh3d_epochs=2",
+        "--reduce_ways=2",
+        "--reduce_shapes=2x4x8",
+        "--reduce_blocks=1",
+    ),
+    # Schedules of one chunk, of two chunks, and with a split backward.
+    "benchmark_pipeline.py": (
+        "--schedules=1f1b,interleaved_1f1b,zb_h1",
+        "--num_devices=2",
+        "--microbatches=2",
+        "--forward_ms=1",
+        "--batch_size=8",
+        "--steps=1",
+        "--timeline_microbatches=2",
+        "--memory_microbatches=2",
+        "--real_num_layers=1",
+        "--real_d_model=8",
+        "--real_sequence_length=4",
+        "--real_batch_size=4",
+        "--real_microbatches=2",
+    ),
+    "benchmark_startup.py": (
+        "--layers=1",
+        "--microbatches=2",
+        "--num_devices=2",
+        "--batch_size=4",
+        "--steady_steps=1",
+    ),
+    # Its smallest measuring (one Transformer block, narrow) and --validate runs.
+    "plan.py": (
+        "--model_option=num_layers=1",
+        "--model_option=d_model=16",
+        "--global_batch=8",
+        "--measure_rounds=1",
+        "--validate_repeats=1",
+        "--validate_steps=2",
+        "--validate_epochs=2",
+    ),
+}
+
+
+# What each benchmark test runs; test_documented_commands.py finds the documented
+# benchmark commands among them.
+RUNS = {
+    "benchmark_dp": ("benchmark_dp.py", *SMALLEST["benchmark_dp.py"]),
+    "benchmark_parallel": (
+        "benchmark_parallel.py",
+        "--sections=mlp",
+        "--sections=keras_llama",
+        "--sections=tensor_reduce",
+        *SMALLEST["benchmark_parallel.py"],
+    ),
+    "benchmark_pipeline": ("benchmark_pipeline.py", *SMALLEST["benchmark_pipeline.py"]),
+    "benchmark_startup": ("benchmark_startup.py", *SMALLEST["benchmark_startup.py"]),
+}
+
+
+def json_values(text: str) -> list:
+    """Every JSON value printed in `text`, in order (JSON lines, then an indented list)."""
+    decoder, values, position = json.JSONDecoder(), [], 0
+    while True:
+        while position < len(text) and text[position].isspace():
+            position += 1
+        if position == len(text):
+            return values
+        value, position = decoder.raw_decode(text, position)
+        values.append(value)
+
+
+def assert_valid_png(path) -> None:
+    """Asserts `path` is a PNG that decodes, with a picture in it."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        assert image.width > 100 and image.height > 100
+        image.load()
+
+
+def _ran(result) -> str:
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    return result.stdout
+
+
+def _finite_positive(*values) -> bool:
+    return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
+
+
+def test_every_script_has_a_test_of_its_main_path():
+    scripts = {os.path.basename(path) for path in glob.glob(f"{REPO_ROOT}/scripts/*.py")}
+
+    assert scripts == set(MAIN_PATH_TESTS)
+    from test_documented_commands import documented_scripts
+
+    for script, test_file in MAIN_PATH_TESTS.items():
+        with open(os.path.join(REPO_ROOT, "tests", test_file)) as handle:
+            named = script in handle.read()
+        if test_file == "test_documented_commands.py":
+            named = script in documented_scripts()
+        assert named, f"{test_file} never runs {script}"
+
+
+def test_benchmark_dp_prints_its_overhead_ratio_and_writes_it(tmp_path):
+    out = tmp_path / "dp.json"
+    stdout = _ran(run_script(*RUNS["benchmark_dp"], f"--out={out}"))
+
+    result = json.loads(stdout)
+    assert json.loads(out.read_text()) == result
+    # A warm-up round and one timed round of 2 epochs of 2 steps, on each path.
+    assert result["steps_trained_each"] == 2 * 2 * 2
+    assert _finite_positive(
+        result["overhead_ratio"],
+        result["handwritten_steps_per_sec"],
+        result["tfmulti_steps_per_sec"],
+        result["wall_clock_ratio"],
+    )
+    assert result["overhead_ratio"] == pytest.approx(
+        result["handwritten_steps_per_sec"] / result["tfmulti_steps_per_sec"]
+    )
+    for key in ("epoch_end_seconds", "before_first_step_seconds", "round_seconds"):
+        assert set(result[key]) == {"tfmulti", "handwritten"}
+
+
+def test_benchmark_parallel_records_mlp_llama_and_tensor_reduce(tmp_path):
+    out = tmp_path / "parallel.json"
+    stdout = _ran(run_script(*RUNS["benchmark_parallel"], f"--out={out}"))
+
+    *lines, records = json_values(stdout)
+    assert lines == records == json.loads(out.read_text())
+    kinds = [record["benchmark"] for record in records]
+    assert kinds == ["parallel_mlp"] + ["keras_model_parallel_llama"] * 2 + ["tensor_reduce"]
+    mlp, llama_one, llama_two, reduce = records
+    assert mlp["communication_bytes_per_step"]["equal"]
+    assert _finite_positive(mlp["speedup"], *mlp["step_ms"].values())
+    assert len(llama_one["variable_bytes_per_device"]) == 1
+    assert len(llama_two["variable_bytes_per_device"]) == 2
+    # Sharded over two devices, no device holds the whole model.
+    assert llama_two["max_variable_bytes_on_a_device"] < llama_one["max_variable_bytes_on_a_device"]
+    assert set(reduce["collective_over_ring"]) == {"blocks", "all_reduce"}
+    assert _finite_positive(*reduce["step_ms"].values())
+
+
+def test_benchmark_pipeline_records_fidelity_memory_and_compute_and_draws_them(tmp_path):
+    out, plot = tmp_path / "pipeline.json", tmp_path / "pipeline.png"
+    stdout = _ran(run_script(*RUNS["benchmark_pipeline"], f"--out={out}", f"--plot={plot}"))
+
+    records = json_values(stdout)[-1]
+    assert records == json.loads(out.read_text())
+    fidelity = [r for r in records if r["benchmark"] == "fidelity" and "measured_s" in r]
+    schedules = ["1f1b", "interleaved_1f1b", "zb_h1"]
+    assert [r["schedule"] for r in fidelity] == schedules
+    for record in fidelity:
+        assert _finite_positive(record["measured_s"], record["simulated_s"], record["speedup"])
+    assert [r["schedule"] for r in records if r["schedule"] == "zb_h1_vs_1f1b"]
+    memory = [r for r in records if r["benchmark"] == "memory"]
+    assert [(r["schedule"], r["stage"]) for r in memory] == [
+        ("gpipe", 0),
+        ("gpipe", 1),
+        ("1f1b", 0),
+        ("1f1b", 1),
+    ]
+    assert all(r["measured_peak_stashed"] == r["formula_peak_stashed"] for r in memory)
+    compute = [r for r in records if r["benchmark"] == "real_compute"]
+    assert [r["schedule"] for r in compute] == ["one_device", "model_parallel", "1f1b"]
+    assert _finite_positive(*(r["examples_per_s"] for r in compute))
+    assert_valid_png(plot)
+    for schedule in schedules:
+        assert_valid_png(tmp_path / "pipeline_timelines" / f"timeline_{schedule}_m2.png")
+
+
+def test_benchmark_startup_records_each_kind_in_a_fresh_process_and_draws_them(tmp_path):
+    out, plot = tmp_path / "startup.json", tmp_path / "startup.png"
+    stdout = _ran(run_script(*RUNS["benchmark_startup"], f"--out={out}", f"--plot={plot}"))
+
+    records = json_values(stdout)
+    assert records == json.loads(out.read_text())
+    assert [(r["kind"], r["microbatches"]) for r in records] == [
+        ("one_device", 1),
+        ("pipeline", 2),
+        ("hybrid", 2),
+    ]
+    for record in records:
+        assert record["first_step_s"] >= record["trace_s"] > 0
+        assert record["total_nodes"] >= record["step_nodes"] > 0
+        assert _finite_positive(record["first_evaluation_cpu_s"], record["steady_step_s"])
+    assert_valid_png(plot)

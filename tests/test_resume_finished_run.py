@@ -1,0 +1,131 @@
+"""`scripts/train.py --resume` of a run that already trained every epoch: one line, exit 0,
+and every file of the run left as it was; more `--epochs` train on from where it stopped."""
+
+import json
+import os
+import shutil
+import textwrap
+
+import pytest
+from script_runner import read_metrics, run_script
+
+RUN = (
+    "--strategy=one_device",
+    "--model=mlp",
+    "--batch_size=64",
+    "--epochs=2",
+    "--steps_per_epoch=5",
+    "--checkpoint_steps=5",
+    "--log_steps=0",
+)
+DATASETS = {"synthetic": "--dataset=synthetic", "user": "--dataset=user_rows:data"}
+USER_MODULE = textwrap.dedent(
+    """
+    import numpy as np
+    import tensorflow as tf
+
+
+    def data():
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(400, 8, 8, 1)).astype("float32")
+        y = x.reshape(400, -1)[:, :10].argmax(1).astype("int64")
+        return (tf.data.Dataset.from_tensor_slices((x[:320], y[:320])),
+                tf.data.Dataset.from_tensor_slices((x[320:], y[320:])))
+    """
+)
+NOTHING_LEFT = "Nothing left to train"
+
+
+@pytest.fixture(scope="module")
+def user_env(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("user_project")
+    (directory / "user_rows.py").write_text(USER_MODULE)
+    return {"PYTHONPATH": str(directory)}
+
+
+@pytest.fixture(scope="module")
+def finished_runs(tmp_path_factory, user_env):
+    """The model_dir of a completed two-epoch run of each dataset."""
+    runs = {}
+    for name, dataset in DATASETS.items():
+        model_dir = str(tmp_path_factory.mktemp(f"finished_{name}") / "run")
+        result = run_script("train.py", *RUN, dataset, f"--model_dir={model_dir}", env=user_env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert read_metrics(model_dir)["status"] == "completed"
+        runs[name] = model_dir
+    return runs
+
+
+def _copy(model_dir: str, tmp_path) -> str:
+    copy = str(tmp_path / "run")
+    shutil.copytree(model_dir, copy)
+    return copy
+
+
+def _contents(model_dir: str) -> dict[str, bytes]:
+    """Every file under `model_dir`, by relative path, with its bytes."""
+    contents = {}
+    for root, _, names in os.walk(model_dir):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as handle:
+                contents[os.path.relpath(path, model_dir)] = handle.read()
+    return contents
+
+
+def _resume(model_dir: str, dataset: str, user_env, *extra: str):
+    return run_script(
+        "train.py",
+        *RUN,
+        DATASETS[dataset],
+        f"--model_dir={model_dir}",
+        "--resume",
+        *extra,
+        env=user_env,
+    )
+
+
+def _assert_nothing_trained(result, model_dir: str, before: dict[str, bytes]) -> None:
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count(NOTHING_LEFT) == 1, result.stderr[-3000:]
+    assert "Resuming at" not in result.stderr
+    assert "Final validation" not in result.stderr + result.stdout
+    assert _contents(model_dir) == before
+
+
+@pytest.mark.parametrize("dataset", sorted(DATASETS))
+def test_resuming_a_finished_run_says_so_and_leaves_every_file_as_it_was(
+    tmp_path, finished_runs, user_env, dataset
+):
+    model_dir = _copy(finished_runs[dataset], tmp_path)
+    before = _contents(model_dir)
+    _assert_nothing_trained(_resume(model_dir, dataset, user_env), model_dir, before)
+
+
+def test_resuming_a_run_killed_after_its_last_step_leaves_every_file_as_it_was(
+    tmp_path, finished_runs, user_env
+):
+    # A kill after the last epoch's checkpoint but before the final evaluation leaves
+    # the record of a run still going.
+    model_dir = _copy(finished_runs["synthetic"], tmp_path)
+    metrics = read_metrics(model_dir)
+    metrics.update(status="running", final={})
+    with open(os.path.join(model_dir, "metrics.json"), "w") as handle:
+        json.dump(metrics, handle)
+    before = _contents(model_dir)
+    _assert_nothing_trained(_resume(model_dir, "synthetic", user_env), model_dir, before)
+
+
+def test_resuming_a_finished_run_with_more_epochs_trains_on(tmp_path, finished_runs, user_env):
+    model_dir = _copy(finished_runs["synthetic"], tmp_path)
+    finished = read_metrics(model_dir)
+    result = _resume(model_dir, "synthetic", user_env, "--epochs=3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Resuming at epoch 3, step 0" in result.stderr
+    assert NOTHING_LEFT not in result.stderr
+    metrics = read_metrics(model_dir)
+    assert metrics["status"] == "completed"
+    assert [epoch["epoch"] for epoch in metrics["epochs"]] == [1, 2, 3]
+    assert metrics["epochs"][:2] == finished["epochs"]
+    assert [resume["epoch"] for resume in metrics["resumes"]] == [3]
