@@ -26,7 +26,7 @@ from tfmulti.parallel import (
     pre_ln_block_bytes,
     resolve_shard_devices,
 )
-from tfmulti.parallel.communication import tensor_bytes
+from tfmulti.tensor_parallel.transfer_bytes import tensor_bytes
 
 # GPT-2's initial weight scale.
 _INIT_STDDEV = 0.02

@@ -47,7 +47,7 @@ from absl import flags
 
 from tfmulti.flags.console_flags import define_console_flags
 from tfmulti.flags.parsing import run_script
-from tfmulti.tf_startup import start_tensorflow
+from tfmulti.platform.tf_startup import start_tensorflow
 
 define_console_flags()
 SECTIONS = ["mlp", "keras_llama", "mesh3d", "tensor_reduce"]
@@ -113,7 +113,7 @@ FLAGS = flags.FLAGS
 
 
 def _is_mesh_of(num_devices: int, text: str) -> bool:
-    from tfmulti.mesh import parse_mesh
+    from tfmulti.platform.mesh import parse_mesh
 
     try:
         return parse_mesh(text).num_devices == num_devices
@@ -136,7 +136,7 @@ def _training_step(layer, home_device):
     import keras
     import tensorflow as tf
 
-    from tfmulti.pipeline.runtime.optimizer_placement import place_optimizer_on_variable_devices
+    from tfmulti.platform.optimizer_devices import place_optimizer_on_variable_devices
 
     optimizer = keras.optimizers.SGD(learning_rate=1e-3)
     place_optimizer_on_variable_devices(optimizer)
@@ -342,9 +342,9 @@ def _tensor_group_bytes(costs, layout) -> dict:
         resolve_shard_devices,
         tensor_reduction_scope,
     )
-    from tfmulti.parallel.communication import received_bytes, sent_bytes, step_graph
-    from tfmulti.parallel.shard_devices import device_key
     from tfmulti.planner import tensor_group_bytes
+    from tfmulti.tensor_parallel.shard_devices import device_key
+    from tfmulti.tensor_parallel.transfer_bytes import received_bytes, sent_bytes, step_graph
 
     mesh = layout.mesh
     info = load_source(costs.dataset).info
@@ -417,10 +417,10 @@ def _one_reduction(shape, devices) -> dict:
     """Bytes each device receives in one sum of K tensors of `shape`, by collective."""
     import tensorflow as tf
 
-    from tfmulti.parallel.collectives import reduce_partial_sums
-    from tfmulti.parallel.communication import received_bytes
-    from tfmulti.parallel.replicated import sum_on_every_device
-    from tfmulti.parallel.shard_devices import device_key
+    from tfmulti.collectives.placed_steps import reduce_partial_sums
+    from tfmulti.collectives.replicated import sum_on_every_device
+    from tfmulti.tensor_parallel.shard_devices import device_key
+    from tfmulti.tensor_parallel.transfer_bytes import received_bytes
 
     partials = []
     for device in devices:
@@ -467,7 +467,7 @@ def _all_reduce_step(devices):
     there (a scalar leaves it), so nothing is pruned and no sum is copied whole."""
     import tensorflow as tf
 
-    from tfmulti.parallel.replicated import sum_on_every_device
+    from tfmulti.collectives.replicated import sum_on_every_device
 
     @tf.function
     def step(inputs):
@@ -491,8 +491,8 @@ def tensor_reduce_records() -> list[dict]:
 
     from tfmulti.models.transformer import TransformerBlock
     from tfmulti.parallel import TENSOR_REDUCTIONS, resolve_shard_devices, tensor_reduction_scope
-    from tfmulti.parallel.communication import received_bytes, step_graph
-    from tfmulti.parallel.shard_devices import device_key
+    from tfmulti.tensor_parallel.shard_devices import device_key
+    from tfmulti.tensor_parallel.transfer_bytes import received_bytes, step_graph
 
     records = []
     for ways in (int(value) for value in FLAGS.reduce_ways):
@@ -547,9 +547,9 @@ def mesh3d_records() -> list[dict]:
     """Measured against predicted step time of the planner's best layout of each mesh."""
     import tempfile
 
-    from tfmulti.mesh import parse_mesh
     from tfmulti.planner.measure import measure_model_costs
     from tfmulti.planner.validation import measure_layouts
+    from tfmulti.platform.mesh import parse_mesh
 
     batch = FLAGS.mesh3d_global_batch
     costs = measure_model_costs(
@@ -595,7 +595,7 @@ def mesh3d_records() -> list[dict]:
 def main(argv):
     del argv
     start_tensorflow(FLAGS.tf_log_level)
-    from tfmulti.devices import configure_logical_devices
+    from tfmulti.platform.devices import configure_logical_devices
 
     llama_ways = [rows * ways for rows, ways in map(_llama_mesh_shape, FLAGS.llama_ways)]
     mesh_devices = [MESH3D_DEVICES] if "mesh3d" in FLAGS.sections else []

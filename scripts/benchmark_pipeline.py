@@ -30,7 +30,7 @@ from absl import flags
 
 from tfmulti.flags.console_flags import define_console_flags
 from tfmulti.flags.parsing import run_script
-from tfmulti.tf_startup import start_tensorflow
+from tfmulti.platform.tf_startup import start_tensorflow
 
 BENCHMARKS = ("fidelity", "real_compute", "memory")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2")
@@ -120,8 +120,8 @@ def _hold_stage_class():
 def _hold_model(schedule, num_devices, num_microbatches, chunks, forward_s_per_row):
     import keras
 
-    from tfmulti.devices import logical_device_names
     from tfmulti.pipeline.runtime import PipelineModel
+    from tfmulti.platform.devices import logical_device_names
 
     hold_stage, _ = _hold_stage_class()
     per_chunk = forward_s_per_row / chunks
@@ -253,9 +253,9 @@ def fidelity_records(timeline_dir):
 def real_compute_records():
     import keras
 
-    from tfmulti.devices import logical_device_names
     from tfmulti.models import build_blocks, build_model
     from tfmulti.pipeline.runtime import PipelineModel, stages_from_blocks
+    from tfmulti.platform.devices import logical_device_names
 
     vocab, sequence = 512, FLAGS.real_sequence_length
     options = dict(num_layers=FLAGS.real_num_layers, num_heads=4, d_model=FLAGS.real_d_model)
@@ -375,7 +375,7 @@ def main(argv):
     start_tensorflow(FLAGS.tf_log_level)
     import tensorflow as tf
 
-    from tfmulti.devices import configure_logical_devices
+    from tfmulti.platform.devices import configure_logical_devices
 
     # A held device blocks one inter-op thread, and TensorFlow sizes that pool by cores (2
     # here): give every logical device threads of its own so holds overlap as on real ones.

@@ -56,10 +56,10 @@ FLAGS = flags.FLAGS
 
 
 def _build(kind: str, layers: int, microbatches: int):
-    from tfmulti.devices import logical_device_names
     from tfmulti.hybrid import HybridPipelineModel
     from tfmulti.models import build_blocks, build_model
     from tfmulti.pipeline.runtime import PipelineModel, partition_blocks, stages_from_blocks
+    from tfmulti.platform.devices import logical_device_names
 
     options = dict(num_layers=layers)
     if kind == "one_device":
@@ -228,8 +228,8 @@ def plot(records: list[dict], path: str) -> None:
 
 def main(argv):
     del argv
-    from tfmulti.devices import configure_logical_devices
-    from tfmulti.tf_startup import start_tensorflow
+    from tfmulti.platform.devices import configure_logical_devices
+    from tfmulti.platform.tf_startup import start_tensorflow
 
     if FLAGS.only:
         kind, layers, microbatches = FLAGS.only.split(":")

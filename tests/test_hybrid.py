@@ -14,9 +14,9 @@ from pipeline_runtime_models import (
     residual_stages,
 )
 
-from tfmulti.devices import logical_device_names
 from tfmulti.hybrid import HybridPipelineModel, build_hybrid_model
-from tfmulti.mesh import MeshError, parse_mesh
+from tfmulti.platform.devices import logical_device_names
+from tfmulti.platform.mesh import MeshError, parse_mesh
 
 STEPS = 3
 GLOBAL_BATCH = 16

@@ -12,8 +12,8 @@ from pipeline_graph_models import (
     token_data,
 )
 
-from tfmulti.devices import logical_device_names
 from tfmulti.hybrid import build_hybrid_model_from_model, copy_model
+from tfmulti.platform.devices import logical_device_names
 
 STEPS = 3
 BATCH = 8

@@ -12,8 +12,8 @@ import tensorflow as tf
 from pipeline_runtime_models import Chain
 
 from tests.workers.local_cluster import WORKERS_DIR, assert_all_workers_succeeded, run_local_cluster
-from tfmulti.cluster import resolve_cluster
 from tfmulti.hybrid import resolve_hybrid_cluster, worker_rows
+from tfmulti.platform.cluster import resolve_cluster
 
 
 def _load_worker_module():

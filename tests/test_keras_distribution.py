@@ -10,13 +10,13 @@ import pytest
 import tensorflow as tf
 
 import tfmulti  # noqa: F401  (hooks keras.distribution into the TensorFlow backend)
+from tfmulti.keras_distribution.layer_sharding import sharded_views
 from tfmulti.parallel import (
     LayoutNotHonouredWarning,
     shard,
     unsplit_weights,
     variable_bytes_per_device,
 )
-from tfmulti.parallel.layer_sharding import sharded_views
 
 VOCABULARY = 64
 SEQUENCE = 8

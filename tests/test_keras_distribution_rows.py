@@ -17,14 +17,14 @@ from test_keras_distribution import (
     token_batches,
 )
 
+from tfmulti.keras_distribution.layer_sharding import sharded_views
+from tfmulti.keras_distribution.mesh_layout import ShardPlan, UnsupportedLayout, plan_for_layout
+from tfmulti.keras_distribution.mesh_rows import MeshRows, call_by_rows
 from tfmulti.parallel import (
     LayoutNotHonouredWarning,
     shard,
     variable_bytes_per_device,
 )
-from tfmulti.parallel.layer_sharding import sharded_views
-from tfmulti.parallel.mesh_layout import ShardPlan, UnsupportedLayout, plan_for_layout
-from tfmulti.parallel.mesh_rows import MeshRows, call_by_rows
 
 
 def device_mesh(rows, columns):

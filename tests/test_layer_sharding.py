@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import tfmulti  # noqa: F401
+from tfmulti.keras_distribution.layer_sharding import sharded_views
 from tfmulti.parallel import unsplit_weights
-from tfmulti.parallel.layer_sharding import sharded_views
 
 VOCABULARY, WIDTH, STEPS = 16, 8, 6
 

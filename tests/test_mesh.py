@@ -2,7 +2,7 @@
 
 import pytest
 
-from tfmulti.mesh import DeviceMesh, MeshError, parse_mesh
+from tfmulti.platform.mesh import DeviceMesh, MeshError, parse_mesh
 
 
 @pytest.mark.parametrize(

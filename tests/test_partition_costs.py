@@ -8,11 +8,11 @@ import keras
 import numpy as np
 import pytest
 
-import tfmulti.pipeline.runtime.partition as partition
+import tfmulti.pipeline.stages.block_partition as partition
+from tfmulti.costing.cost_cache import CostCache, block_signature
 from tfmulti.models import build_blocks
 from tfmulti.pipeline.balance import Block
-from tfmulti.pipeline.runtime.cost_cache import CostCache, block_signature
-from tfmulti.split_summary import MeasuredStageSeconds
+from tfmulti.pipeline.stages.split_summary import MeasuredStageSeconds
 
 VOCAB, SEQUENCE = 32, 8
 TRANSFORMER = dict(num_layers=4, num_heads=2, d_model=16)

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from pipeline_graph_models import gpt2_causal_lm, masked_model, regression_data, token_data
 
-import tfmulti.pipeline.runtime.partition as partition
-from tfmulti.devices import first_logical_devices, logical_device_names
+import tfmulti.pipeline.stages.block_partition as partition
 from tfmulti.hybrid import build_hybrid_model_from_model
 from tfmulti.parallel import place
 from tfmulti.pipeline.runtime import CostCache, PipelineModel
+from tfmulti.platform.devices import first_logical_devices, logical_device_names
 
 WIDTH, REPEATS = 16, 4
 

@@ -24,8 +24,8 @@ from pipeline_runtime_models import (
     regression_batches,
 )
 
-from tfmulti.devices import first_logical_devices
 from tfmulti.pipeline.runtime import PipelineModel, stages_from_blocks
+from tfmulti.platform.devices import first_logical_devices
 
 BATCH = 8
 

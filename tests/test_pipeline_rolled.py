@@ -16,8 +16,8 @@ from pipeline_runtime_models import (
     token_transformer_and_stages,
 )
 
-from tfmulti.devices import logical_device_names
 from tfmulti.pipeline.runtime import PipelineModel
+from tfmulti.platform.devices import logical_device_names
 
 STEPS = 3
 BATCH_SIZE = 32

@@ -8,8 +8,8 @@ import pytest
 import tensorflow as tf
 from pipeline_runtime_models import Chain, dense_stages, regression_batches, two_tensor_stages
 
-from tfmulti.devices import logical_device_names
 from tfmulti.pipeline.runtime import PipelineModel
+from tfmulti.platform.devices import logical_device_names
 
 NUM_DEVICES = 4
 CALL_OPS = ("StatefulPartitionedCall", "PartitionedCall")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tfmulti.pipeline.rolling import (
+from tfmulti.pipeline.round_loop import (
     guard_roll,
     in_flight_after,
     is_fill_drain,

@@ -17,8 +17,8 @@ from pipeline_runtime_models import (
     residual_stages,
 )
 
-from tfmulti.devices import logical_device_names
 from tfmulti.pipeline.runtime import PipelineModel
+from tfmulti.platform.devices import logical_device_names
 
 
 def _devices(count):

@@ -8,13 +8,13 @@ import keras
 import pytest
 from pipeline_runtime_models import dense_stages, regression_batches
 
-from tfmulti.devices import logical_device_names
 from tfmulti.pipeline.runtime import (
     PipelineModel,
     PipelineTimelineCallback,
     order_deviations,
     peak_stashed_activations,
 )
+from tfmulti.platform.devices import logical_device_names
 
 
 def _traced_model(schedule, num_devices, num_microbatches, chunks=1):

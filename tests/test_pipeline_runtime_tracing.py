@@ -12,8 +12,8 @@ import pytest
 import tensorflow as tf
 from pipeline_runtime_models import FEATURES, OUTPUTS, Chain, regression_batches
 
-from tfmulti.devices import logical_device_names
 from tfmulti.pipeline.runtime import PipelineModel
+from tfmulti.platform.devices import logical_device_names
 
 NUM_DEVICES = 2
 BATCH_SIZE = 16

@@ -12,8 +12,8 @@ from pipeline_runtime_models import (
     two_tensor_stages,
 )
 
-from tfmulti.devices import logical_device_names
 from tfmulti.pipeline.runtime import PipelineModel
+from tfmulti.platform.devices import logical_device_names
 
 STEPS = 3
 BATCH_SIZE = 16

@@ -14,10 +14,7 @@ from pipeline_runtime_models import (
     max_weight_difference,
 )
 
-from tfmulti.cluster import resolve_cluster
-from tfmulti.devices import logical_device_names
 from tfmulti.hybrid import HybridPipelineModel, worker_rows
-from tfmulti.mesh import parse_mesh
 from tfmulti.parallel import place
 from tfmulti.pipeline.runtime import PipelineModel
 from tfmulti.pipeline.runtime.microbatches import (
@@ -28,7 +25,10 @@ from tfmulti.pipeline.runtime.microbatches import (
     split_padded_microbatches,
     trim_microbatches,
 )
-from tfmulti.spread import check_batch_splits
+from tfmulti.platform.cluster import resolve_cluster
+from tfmulti.platform.devices import logical_device_names
+from tfmulti.platform.mesh import parse_mesh
+from tfmulti.strategies import check_batch_splits
 
 ROWS = 100
 

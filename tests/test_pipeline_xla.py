@@ -14,11 +14,11 @@ from pipeline_runtime_models import (
     token_transformer_and_stages,
 )
 
-from tfmulti.devices import logical_device_names
 from tfmulti.hybrid import HybridPipelineModel, build_hybrid_model
-from tfmulti.mesh import parse_mesh
 from tfmulti.models import registry
 from tfmulti.pipeline.runtime import PipelineModel
+from tfmulti.platform.devices import logical_device_names
+from tfmulti.platform.mesh import parse_mesh
 
 STEPS = 3
 BATCH_SIZE = 32

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 from tfmulti.models.registry import build_model
-from tfmulti.parallel.placement import place, place_reference_model
+from tfmulti.placement.placed_model import place, place_reference_model
 
 BATCH = 8
 STEPS = 3

@@ -6,7 +6,6 @@ import json
 import pytest
 from script_runner import last_line, run_script
 
-from tfmulti.mesh import DeviceMesh
 from tfmulti.pipeline import SCHEDULE_NAMES, CostModel, StageCost, build_schedule, simulate
 from tfmulti.planner import (
     AffineTime,
@@ -23,6 +22,7 @@ from tfmulti.planner import (
 )
 from tfmulti.planner.train_flags import train_flags
 from tfmulti.planner.validation import distinct_layouts
+from tfmulti.platform.mesh import DeviceMesh
 
 GLOBAL_BATCH = 16
 HARDWARE = Hardware(bandwidth=2e8)

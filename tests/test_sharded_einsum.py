@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tfmulti  # noqa: F401
-from tfmulti.parallel.sharded_einsum import (
+from tfmulti.keras_distribution.sharded_einsum import (
     BOTH,
     CONTRACTED,
     OUTPUT,

@@ -7,11 +7,11 @@ import keras
 import numpy as np
 import pytest
 
-from tfmulti.devices import logical_device_names
 from tfmulti.pipeline.runtime import PipelineModel, stages_from_blocks
-from tfmulti.pipeline.runtime.partition import BlockStage
 from tfmulti.pipeline.schedules import build_schedule
-from tfmulti.split_summary import predicted_bubble, split_summary
+from tfmulti.pipeline.stages.block_partition import BlockStage
+from tfmulti.pipeline.stages.split_summary import predicted_bubble, split_summary
+from tfmulti.platform.devices import logical_device_names
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -6,7 +6,7 @@ import pytest
 from tfmulti.config import TrainConfig
 from tfmulti.data import DataInfo
 from tfmulti.names import TRAIN_STRATEGY_NAMES
-from tfmulti.spread import SPREADS, ModelSource, Spread, get_spread, model_source
+from tfmulti.strategies import SPREADS, ModelSource, Spread, get_spread, model_source
 from tfmulti.user_code import is_function_reference, load_function
 
 INFO = DataInfo("digits", "classification", (8, 8, 1), 10, 100, 20, "float32")

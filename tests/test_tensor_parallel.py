@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmulti.devices import logical_device_names
 from tfmulti.models import build_model
 from tfmulti.models.transformer import CausalSelfAttention, FeedForward
 from tfmulti.parallel import (
@@ -19,8 +18,9 @@ from tfmulti.parallel import (
     resolve_shard_devices,
     unsplit_weights,
 )
-from tfmulti.parallel.shard_devices import device_key
-from tfmulti.pipeline.runtime.optimizer_placement import place_optimizer_on_variable_devices
+from tfmulti.platform.devices import logical_device_names
+from tfmulti.platform.optimizer_devices import place_optimizer_on_variable_devices
+from tfmulti.tensor_parallel.shard_devices import device_key
 
 BATCH, LENGTH, WIDTH, VOCAB = 2, 6, 8, 16
 

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfmulti.collectives.placed_steps import reduce_partial_sums
 from tfmulti.parallel import RowParallelDense, resolve_shard_devices
-from tfmulti.parallel.collectives import reduce_partial_sums
-from tfmulti.parallel.communication import received_bytes, reduction_bytes, tensor_bytes
-from tfmulti.parallel.shard_devices import device_key
+from tfmulti.tensor_parallel.shard_devices import device_key
+from tfmulti.tensor_parallel.transfer_bytes import received_bytes, reduction_bytes, tensor_bytes
 
 BATCH, LENGTH, IN_FEATURES, UNITS = 2, 6, 16, 8
 ROWS = 256

@@ -10,29 +10,28 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmulti.devices import logical_device_names
+from tfmulti.collectives import collective_all_reduce, replicated
 from tfmulti.hybrid import build_hybrid_model
-from tfmulti.mesh import parse_mesh
 from tfmulti.models import build_model, registry
 from tfmulti.names import TENSOR_REDUCTION_NAMES
 from tfmulti.parallel import (
     TENSOR_REDUCTIONS,
-    collective_all_reduce,
-    replicated,
     resolve_shard_devices,
     tensor_reduction,
     tensor_reduction_scope,
     unsplit_weights,
 )
-from tfmulti.parallel.communication import (
+from tfmulti.platform.devices import logical_device_names
+from tfmulti.platform.mesh import parse_mesh
+from tfmulti.platform.optimizer_devices import place_optimizer_on_variable_devices
+from tfmulti.tensor_parallel.shard_devices import device_key
+from tfmulti.tensor_parallel.transfer_bytes import (
     all_reduce_bytes,
     collective_bytes,
     received_bytes,
     sent_bytes,
     tensor_bytes,
 )
-from tfmulti.parallel.shard_devices import device_key
-from tfmulti.pipeline.runtime.optimizer_placement import place_optimizer_on_variable_devices
 
 _COLLECTIVE = "CollectiveReduceV2"
 

@@ -7,22 +7,22 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfmulti.collectives.replica_handoff import replicas_of
 from tfmulti.data import load_source
-from tfmulti.mesh import DeviceMesh
 from tfmulti.models import registry
 from tfmulti.models.transformer import TransformerBlock
 from tfmulti.parallel import resolve_shard_devices, tensor_reduction_scope, unsplit_weights
-from tfmulti.parallel.communication import (
+from tfmulti.planner import Hardware, blocks_at, score_layout, tensor_group_bytes
+from tfmulti.planner.measure import measure_model_costs
+from tfmulti.platform.mesh import DeviceMesh
+from tfmulti.tensor_parallel.shard_devices import device_key
+from tfmulti.tensor_parallel.transfer_bytes import (
     collective_bytes,
     received_bytes,
     sent_bytes,
     step_graph,
     tensor_bytes,
 )
-from tfmulti.parallel.replica_handoff import replicas_of
-from tfmulti.parallel.shard_devices import device_key
-from tfmulti.planner import Hardware, blocks_at, score_layout, tensor_group_bytes
-from tfmulti.planner.measure import measure_model_costs
 
 BATCH, LENGTH, WIDTH, HEADS, MLP_WIDTH = 4, 8, 64, 4, 256
 SHAPE = (BATCH, LENGTH, WIDTH)

@@ -5,10 +5,10 @@ import keras
 import numpy as np
 from pipeline_graph_models import regression_data, skip_model
 
-from tfmulti.devices import first_logical_devices
 from tfmulti.pipeline.runtime import PipelineModel
-from tfmulti.step_checkpoint import ResumePoint, restore
-from tfmulti.training_state import save_training_state
+from tfmulti.platform.devices import first_logical_devices
+from tfmulti.run.step_checkpoint import ResumePoint, restore
+from tfmulti.run.training_state import save_training_state
 
 BATCH = 8
 

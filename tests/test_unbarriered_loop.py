@@ -8,9 +8,9 @@ import numpy as np
 import tensorflow as tf
 from pipeline_runtime_models import OUTPUTS, loops_in_step, regression_batches
 
-from tfmulti.devices import logical_device_names
 from tfmulti.pipeline.runtime import PipelineModel
 from tfmulti.pipeline.runtime.unbarriered_loop import while_loop_without_barrier
+from tfmulti.platform.devices import logical_device_names
 
 
 def _bodies_outputs_waiting(loop) -> tuple[int, int]:

@@ -225,7 +225,7 @@ def test_optimizer_flags_replace_the_compiled_optimizer_and_schedule_the_rate(tm
 
 @pytest.mark.parametrize("schedule", ["constant", "cosine", "linear"])
 def test_lr_schedule_gives_the_closed_form_rate_at_each_step(schedule):
-    from tfmulti.model_setup import build_optimizer
+    from tfmulti.run.model_setup import build_optimizer
 
     peak, warmup, total = 0.3, 10, 110
     optimizer = build_optimizer("adam", peak, schedule, warmup_steps=warmup, total_steps=total)

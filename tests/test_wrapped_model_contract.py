@@ -8,10 +8,10 @@ import pytest
 from pipeline_graph_models import built_sequential, regression_data, skip_model
 from pipeline_runtime_models import FEATURES, dense_stages, regression_batches
 
-from tfmulti.devices import first_logical_devices, logical_device_names
 from tfmulti.hybrid import HybridPipelineModel, build_hybrid_model_from_model
-from tfmulti.parallel.placement import place
 from tfmulti.pipeline.runtime import PipelineModel
+from tfmulti.placement.placed_model import place
+from tfmulti.platform.devices import first_logical_devices, logical_device_names
 
 BATCH = 8
 

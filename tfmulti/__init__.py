@@ -10,22 +10,29 @@ from tfmulti.compat import install_when_keras_loads
 
 __version__ = "0.1.0"
 
+
+def _hook_keras_distribution() -> None:
+    """Loads `keras.distribution` on TensorFlow, which registers its hooks in compat."""
+    importlib.import_module("tfmulti.keras_distribution.sharding")
+
+
 # Keras 3 needs fixes to train under MultiWorkerMirroredStrategy; they apply as
 # soon as Keras is imported, whichever of Keras and tfmulti comes first.
-install_when_keras_loads()
+
+install_when_keras_loads(then=_hook_keras_distribution)
 
 _LAZY_EXPORTS = {
-    "configure_logical_devices": "tfmulti.devices",
-    "get_strategy": "tfmulti.strategy",
-    "per_replica_batch_size": "tfmulti.strategy",
+    "configure_logical_devices": "tfmulti.platform.devices",
+    "get_strategy": "tfmulti.platform.distribute_strategy",
+    "per_replica_batch_size": "tfmulti.platform.distribute_strategy",
     "TrainConfig": "tfmulti.config",
-    "train": "tfmulti.training",
+    "train": "tfmulti.run.training",
     "TrainingError": "tfmulti.errors",
-    "ThroughputLogger": "tfmulti.callbacks",
-    "StopOnNonFiniteLoss": "tfmulti.callbacks",
-    "EpochCheckpoint": "tfmulti.checkpointing",
-    "latest_checkpoint": "tfmulti.checkpointing",
-    "ProfileSteps": "tfmulti.profiling",
+    "ThroughputLogger": "tfmulti.run.callbacks",
+    "StopOnNonFiniteLoss": "tfmulti.run.callbacks",
+    "EpochCheckpoint": "tfmulti.run.epoch_checkpoint",
+    "latest_checkpoint": "tfmulti.run.epoch_checkpoint",
+    "ProfileSteps": "tfmulti.run.profiling",
     "make_datasets": "tfmulti.data",
     "PipelineModel": "tfmulti.pipeline.runtime",
     "PipelineTimelineCallback": "tfmulti.pipeline.runtime",
@@ -40,7 +47,7 @@ _LAZY_EXPORTS = {
     "shard": "tfmulti.parallel",
     "variable_bytes_per_device": "tfmulti.parallel",
     "HybridPipelineModel": "tfmulti.hybrid",
-    "parse_mesh": "tfmulti.mesh",
+    "parse_mesh": "tfmulti.platform.mesh",
 }
 
 

@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tensorflow as tf  # noqa: E402
 
-from tfmulti import cluster as cluster_lib  # noqa: E402
-from tfmulti.devices import configure_logical_devices  # noqa: E402
+from tfmulti.platform import cluster as cluster_lib  # noqa: E402
+from tfmulti.platform.devices import configure_logical_devices  # noqa: E402
 
 GLOBAL_BATCH = 16
 STEPS = 3
@@ -58,7 +58,7 @@ def main():
     import numpy as np
 
     from tfmulti.hybrid import build_hybrid_model, worker_rows
-    from tfmulti.mesh import parse_mesh
+    from tfmulti.platform.mesh import parse_mesh
 
     mesh = parse_mesh(args.mesh)
     model = build_hybrid_model(

@@ -18,10 +18,10 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tfmulti import cluster as cluster_lib  # noqa: E402
-from tfmulti import input_sharding  # noqa: E402
 from tfmulti.compat import keras_multi_worker, tf_profiler, worker_paths  # noqa: E402
-from tfmulti.profiling import ProfileSteps  # noqa: E402
+from tfmulti.platform import cluster as cluster_lib  # noqa: E402
+from tfmulti.platform import input_sharding  # noqa: E402
+from tfmulti.run.profiling import ProfileSteps  # noqa: E402
 
 GLOBAL_BATCH = 16
 NUM_EXAMPLES = 64

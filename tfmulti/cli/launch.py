@@ -9,8 +9,8 @@ import sys
 
 from absl import app, flags
 
-from tfmulti import launcher
 from tfmulti.flags.help import install_help_flags
+from tfmulti.platform import launcher
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_workers", None, "Worker processes to start (>= 1).", lower_bound=1)

@@ -31,7 +31,6 @@ from tfmulti.flags.training_flags import define_data_flags, parse_model_option
 from tfmulti.planner import Hardware, load_costs, save_costs, search_layouts
 from tfmulti.planner.report import (
     format_layouts,
-    format_table,
     layout_json,
     layout_row,
 )
@@ -41,6 +40,7 @@ from tfmulti.planner.validation import (
     distinct_layouts,
     measure_layouts,
 )
+from tfmulti.text_table import format_table
 from tfmulti.user_code import is_function_reference
 
 FLAGS = flags.FLAGS
@@ -121,7 +121,7 @@ def _parse_bytes(text: str) -> float | None:
 def _model_costs():
     if FLAGS.costs:
         return load_costs(FLAGS.costs)
-    from tfmulti.tf_startup import start_tensorflow
+    from tfmulti.platform.tf_startup import start_tensorflow
 
     start_tensorflow(FLAGS.tf_log_level)
     from tfmulti.planner.measure import measure_model_costs

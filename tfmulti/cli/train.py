@@ -25,18 +25,18 @@ define_worker_console_flags()
 
 def _train(argv: list[str]) -> None:
     del argv
-    from tfmulti.tf_startup import start_tensorflow
-    from tfmulti.training import NOTHING_LEFT_TO_TRAIN
+    from tfmulti.platform.tf_startup import start_tensorflow
+    from tfmulti.run.training import NOTHING_LEFT_TO_TRAIN
 
     start_tensorflow(FLAGS.tf_log_level)
     if FLAGS.virtual_devices:
-        from tfmulti.devices import configure_logical_devices
+        from tfmulti.platform.devices import configure_logical_devices
 
         configure_logical_devices(FLAGS.virtual_devices)
-    from tfmulti.model_setup import resolve_run_cluster
-    from tfmulti.parallel.collective_all_reduce import set_collective_timeout
-    from tfmulti.parallel.tensor_reduction import set_tensor_reduction
-    from tfmulti.worker_console import quiet_unless_chief
+    from tfmulti.collectives.collective_all_reduce import set_collective_timeout
+    from tfmulti.collectives.tensor_reduction import set_tensor_reduction
+    from tfmulti.platform.worker_console import quiet_unless_chief
+    from tfmulti.run.model_setup import resolve_run_cluster
 
     set_tensor_reduction(FLAGS.tensor_reduce)
     set_collective_timeout(FLAGS.collective_timeout)
@@ -56,7 +56,7 @@ def _train_or_report_timeout(config):
     import tensorflow as tf
 
     from tfmulti.errors import TrainingError
-    from tfmulti.training import train
+    from tfmulti.run.training import train
 
     try:
         return train(config)

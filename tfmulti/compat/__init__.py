@@ -16,12 +16,15 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+from collections.abc import Callable
 
 __all__ = ["active_fixes", "install", "install_when_keras_loads"]
 
 
 # The modules whose fixes `install` applies, each with `apply_fixes` and `active_fix_names`.
 _FIX_MODULES = ("keras_multi_worker", "keras_sparse_gradients", "keras_replica_state")
+# Called after every `install` (see `install_when_keras_loads`).
+_AFTER_INSTALL: list[Callable[[], None]] = []
 
 
 def install() -> list[str]:
@@ -40,6 +43,8 @@ def install() -> list[str]:
     names = []
     for name in _FIX_MODULES:
         names += importlib.import_module(f"tfmulti.compat.{name}").apply_fixes()
+    for then in _AFTER_INSTALL:
+        then()
     return names
 
 
@@ -52,12 +57,18 @@ def active_fixes() -> list[str]:
     return names
 
 
-def install_when_keras_loads() -> None:
+def install_when_keras_loads(then: Callable[[], None] | None = None) -> None:
     """Applies the fixes now if Keras is imported, else right after `import keras` finishes.
+
+    Args:
+        then: called after the fixes each time `install` runs; `tfmulti` loads the layers
+            above compat that hook into the patches (`keras_distribution`) this way.
 
     Example:
         >>> install_when_keras_loads()
     """
+    if then is not None and then not in _AFTER_INSTALL:
+        _AFTER_INSTALL.append(then)
     if "keras" in sys.modules:
         install()
     elif not any(isinstance(finder, _KerasImportHook) for finder in sys.meta_path):

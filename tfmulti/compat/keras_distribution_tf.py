@@ -4,7 +4,8 @@ Keras' TensorFlow backend leaves `keras.distribution` a stub: a model built unde
 `ModelParallel(...).scope()` keeps every weight whole on one device, and `DataParallel`
 changes nothing. The JAX backend lays each variable out when it is created
 (`Variable._initialize_layout`). Here the same happens one step later, after each layer's
-`build`: `tfmulti.parallel.keras_distribution` splits the variables its layout names.
+`build`: `tfmulti.keras_distribution`, which registers its `ShardingHooks` here, splits
+the variables its layout names.
 Setting a `DataParallel` distribution (`set_distribution`, or its `scope()`) also sets a
 `tf.distribute.MirroredStrategy` over the mesh's devices, which Keras' TensorFlow trainer
 already knows how to train with.
@@ -16,9 +17,8 @@ patches apply to the Keras versions checked by tests/test_compat_keras_distribut
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 
 import keras
@@ -41,16 +41,38 @@ FIRST_CHECKED_KERAS = (3, 10)
 FIRST_UNCHECKED_KERAS = (3, 16)
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardingHooks:
+    """What `tfmulti.keras_distribution` does where these patches open Keras up.
+
+    Args:
+        after_build: called with each layer just built under a distribution.
+        after_distribution_set: called with the distribution just set (or None).
+        after_deferred_variables: called once Keras gave deferred variables their values.
+        wrap_step: `(model, step_function, attribute)` to the step function to use.
+    """
+
+    after_build: Callable
+    after_distribution_set: Callable
+    after_deferred_variables: Callable
+    wrap_step: Callable
+
+
+# Set by `tfmulti.keras_distribution` when it loads (it is above compat, so it calls in).
+_HOOKS: list[ShardingHooks | None] = [None]
+
+
+def register_sharding_hooks(hooks: ShardingHooks) -> None:
+    """Makes the patches call `hooks` (the last registration wins)."""
+    _HOOKS[0] = hooks
+
+
 def _shard_after_build(original: Callable) -> Callable:
     @functools.wraps(original)
     def _post_build(self):
         original(self)
-        if distribution_lib.distribution() is None:
-            return
-        # Imported here: this module loads while Keras itself is still being imported.
-        from tfmulti.parallel import keras_distribution
-
-        keras_distribution.shard_under_current_distribution(self)
+        if distribution_lib.distribution() is not None and _HOOKS[0] is not None:
+            _HOOKS[0].after_build(self)
 
     return _post_build
 
@@ -59,9 +81,8 @@ def _strategy_follows_distribution(original: Callable) -> Callable:
     @functools.wraps(original)
     def set_distribution(value):
         original(value)
-        from tfmulti.parallel import keras_distribution
-
-        keras_distribution.follow_data_parallel(value)
+        if _HOOKS[0] is not None:
+            _HOOKS[0].after_distribution_set(value)
 
     return set_distribution
 
@@ -70,9 +91,8 @@ def _then_shard_deferred_layers(original: Callable) -> Callable:
     @functools.wraps(original)
     def initialize_all_variables():
         original()
-        from tfmulti.parallel import keras_distribution
-
-        keras_distribution.shard_deferred_layers()
+        if _HOOKS[0] is not None:
+            _HOOKS[0].after_deferred_variables()
 
     return initialize_all_variables
 
@@ -112,148 +132,40 @@ def _keep_tensor_layout(tensor, layout):
 
 
 _SPLIT_BY_ROWS = "_tfmulti_split_by_mesh_rows"
-_ROW_SPLITTER = "_tfmulti_row_splitter"  # on each layer's wrapped call: its splitter
-
-
-def _join_rows(outputs: list):
-    """The rows' outputs joined along the batch, with their Keras masks joined too."""
-
-    def join(*parts):
-        joined = tf.concat(parts, 0)
-        masks = [get_keras_mask(part) for part in parts]
-        if all(mask is not None for mask in masks):
-            set_keras_mask(joined, tf.concat(masks, 0))
-        return joined
-
-    return tf.nest.map_structure(join, *outputs)
-
-
-class _RowSplitCalls:
-    """Splits the batch over the mesh's rows at the outermost call of `model`, or of any
-    layer within it (a custom step calling the model's parts), while a step runs.
-
-    Each layer's `call` is wrapped once (`install`); outside `step()` the wrappers pass
-    calls through, so a step pays a flag, not a patch per layer. A part's call is split
-    only when every tensor it gets with a batch axis has the same first dimension (a
-    table or position ids passed beside the batch are not cut); a layer called within a
-    split call runs within its row.
-    """
-
-    def __init__(self):
-        self.rows = None
-        self.active = False
-        self.within_a_row = False
-        self.calls = []
-
-    @classmethod
-    def of(cls, model: keras.layers.Layer, rows) -> _RowSplitCalls:
-        """The model's splitter (made at the first call), wrapping layers added since."""
-        splitter = model.__dict__.get("_tfmulti_row_split_calls")
-        if splitter is None:
-            splitter = cls()
-            object.__setattr__(model, "_tfmulti_row_split_calls", splitter)
-        splitter.rows = rows
-        for layer in layers_within(model):
-            if getattr(layer.__dict__.get("call"), _ROW_SPLITTER, None) is not splitter:
-                wrapper = splitter._wrap(layer, layer.call, check_batch=layer is not model)
-                object.__setattr__(layer, "call", wrapper)
-        return splitter
-
-    def _wrap(self, layer, call: Callable, check_batch: bool) -> Callable:
-        from tfmulti.parallel.mesh_rows import call_by_rows
-
-        def call_split_by_rows(*args, **kwargs):
-            if (
-                not self.active
-                or self.within_a_row
-                or (check_batch and not _one_batch_axis(args, kwargs))
-            ):
-                return call(*args, **kwargs)
-            self.calls.append(layer)
-            self.within_a_row = True
-            try:
-                return call_by_rows(call, self.rows, args, kwargs, _join_rows, layer)
-            finally:
-                self.within_a_row = False
-
-        setattr(call_split_by_rows, _ROW_SPLITTER, self)
-        return call_split_by_rows
-
-    @contextlib.contextmanager
-    def step(self):
-        """While open, calls split; yields the list of layers whose calls were split."""
-        self.active, self.calls = True, []
-        try:
-            yield self.calls
-        finally:
-            self.active = False
-
-
-def _one_batch_axis(args, kwargs) -> bool:
-    """Whether the call's tensors of rank >= 1 all have one first dimension (unknown
-    counts as one only with another unknown)."""
-    firsts = {
-        value.shape[0]
-        for value in tf.nest.flatten((args, kwargs))
-        if tf.is_tensor(value) and value.shape.rank
-    }
-    return len(firsts) == 1
 
 
 def _steps_split_by_mesh_rows(attribute: str) -> Callable:
-    """Makes the step function Keras makes (`attribute`) split each batch over mesh rows.
-
-    Only for a model whose layers were built (or `shard`ed) for a mesh whose batch axis
-    has several rows; any other model gets Keras' function unchanged.
-    """
+    """Lets the registered hooks wrap the step function Keras makes (`attribute`), so a
+    model sharded over a mesh with several rows splits each batch over them."""
 
     def patch(original: Callable) -> Callable:
         @functools.wraps(original)
         def make_function(self, force=False):
             returned = original(self, force)
             function = getattr(self, attribute)
-            if function is None or getattr(function, _SPLIT_BY_ROWS, False):
+            hooks = _HOOKS[0]
+            if function is None or getattr(function, _SPLIT_BY_ROWS, False) or hooks is None:
                 return returned
-            from tfmulti.parallel.mesh_rows import mesh_rows_of
-
-            rows = mesh_rows_of(layers_within(self))
-            if rows is None:
+            wrapped = hooks.wrap_step(self, function, attribute)
+            if wrapped is function:
                 return returned
-
-            splitter = _RowSplitCalls.of(self, rows)
-            traced = []  # Keras' step function traces at its first call
-
-            def step_split_by_rows(*args, **kwargs):
-                with splitter.step() as calls:
-                    outputs = function(*args, **kwargs)
-                if not traced:
-                    traced.append(True)
-                    if not calls:
-                        _warn_step_not_split(self, attribute, rows.num_rows)
-                return outputs
-
-            setattr(step_split_by_rows, _SPLIT_BY_ROWS, True)
-            setattr(self, attribute, step_split_by_rows)
-            return step_split_by_rows if returned is not None else None
+            setattr(wrapped, _SPLIT_BY_ROWS, True)
+            setattr(self, attribute, wrapped)
+            return wrapped if returned is not None else None
 
         return make_function
 
     return patch
 
 
-def _warn_step_not_split(model, attribute: str, num_rows: int) -> None:
-    from tfmulti.parallel.mesh_layout import LayoutNotHonouredWarning
+def keras_mask(tensor):
+    """The Keras mask a layer attached to `tensor`, or None."""
+    return get_keras_mask(tensor)
 
-    step = attribute.removesuffix("_function")
-    warnings.warn(
-        f"{model.name}'s {step} step calls neither the model nor one of its layers on "
-        "tensors that share one batch axis (a custom "
-        f"{step}_step?), so each batch runs whole on the first of the mesh's {num_rows} "
-        "rows instead of being split over them; call the model (self(x)) or its layers on "
-        "the batch in the step to split it.",
-        LayoutNotHonouredWarning,
-        stacklevel=3,
-    )
+
+def attach_keras_mask(tensor, mask) -> None:
+    """Attaches `mask` to `tensor` as Keras layers do."""
+    set_keras_mask(tensor, mask)
 
 
 def _checked_patch(name: str, owner, attribute: str, make_replacement: Callable) -> Fix:

@@ -9,7 +9,6 @@ from absl import flags
 
 from tfmulti.config import DTYPE_POLICIES, LR_SCHEDULE_NAMES, OPTIMIZER_NAMES, TrainConfig
 from tfmulti.flags.help import flag_group
-from tfmulti.launcher import VIRTUAL_DEVICES_ENV
 from tfmulti.names import (
     ALL_REDUCE_NAMES,
     DATASET_NAMES,
@@ -19,6 +18,7 @@ from tfmulti.names import (
     TRAIN_STRATEGY_NAMES,
 )
 from tfmulti.pipeline.schedules import SCHEDULE_NAMES
+from tfmulti.platform.launcher import VIRTUAL_DEVICES_ENV
 from tfmulti.user_code import is_function_reference
 
 FLAGS = flags.FLAGS
@@ -223,7 +223,7 @@ def _is_partition_spec(text: str) -> bool:
 
 def _parsed_mesh(text: str):
     """The mesh `text` names, or None when it does not parse (`_is_mesh` reports that)."""
-    from tfmulti.mesh import MeshError, parse_mesh
+    from tfmulti.platform.mesh import MeshError, parse_mesh
 
     try:
         return parse_mesh(text)

@@ -1,5 +1,6 @@
 """Hybrid parallelism: data-parallel copies of a pipelined model, on one host or many."""
 
+from tfmulti.collectives.worker_sums import WorkerCollectives
 from tfmulti.hybrid.build import (
     build_hybrid_model,
     build_hybrid_model_from_model,
@@ -8,7 +9,6 @@ from tfmulti.hybrid.build import (
     resolve_hybrid_cluster,
 )
 from tfmulti.hybrid.hybrid_model import HybridPipelineModel
-from tfmulti.hybrid.worker_collectives import WorkerCollectives
 from tfmulti.hybrid.worker_input import worker_rows
 
 __all__ = [

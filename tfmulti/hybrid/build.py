@@ -10,14 +10,14 @@ import keras
 import tensorflow as tf
 from keras.src.models.functional import Functional
 
-from tfmulti.cluster import ClusterInfo, resolve_cluster
-from tfmulti.devices import logical_device_names
+from tfmulti.collectives.worker_sums import WorkerCollectives
+from tfmulti.costing.cost_cache import CostCache
 from tfmulti.hybrid.hybrid_model import HybridPipelineModel
-from tfmulti.hybrid.worker_collectives import WorkerCollectives
-from tfmulti.mesh import DeviceMesh, MeshError, parse_mesh
-from tfmulti.pipeline.runtime.cost_cache import CostCache
-from tfmulti.pipeline.runtime.partition import partition_blocks, stages_from_blocks
 from tfmulti.pipeline.runtime.pipeline_model import PipelineModel
+from tfmulti.pipeline.stages.block_partition import partition_blocks, stages_from_blocks
+from tfmulti.platform.cluster import ClusterInfo, resolve_cluster
+from tfmulti.platform.devices import logical_device_names
+from tfmulti.platform.mesh import DeviceMesh, MeshError, parse_mesh
 
 
 def resolve_hybrid_cluster(
@@ -28,7 +28,7 @@ def resolve_hybrid_cluster(
     """The cluster a hybrid run spans, or None when it runs on this host alone.
 
     A hybrid run spans workers when explicit hosts, `TF_CONFIG` or a SLURM step describe
-    more than one worker (see `tfmulti.cluster.resolve_cluster`).
+    more than one worker (see `tfmulti.platform.cluster.resolve_cluster`).
 
     Example:
         >>> resolve_hybrid_cluster(environ={}) is None
@@ -82,7 +82,7 @@ def build_hybrid_model(
     """Builds a `HybridPipelineModel`: pipe x chunks stages per replica, data replicas,
     and with tensor > 1 each stage's layers split over its group of tensor devices.
 
-    Across workers, build `tfmulti.cluster.build_multi_worker_strategy(cluster, ...)` first
+    Across workers, build `tfmulti.platform.cluster.build_multi_worker_strategy(cluster, ...)` first
     (before any other TensorFlow work): it starts the collective runtime the gradient sums
     use. Each worker then runs data / num_workers replicas on its own devices.
 

@@ -9,9 +9,8 @@ import tensorflow as tf
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from tfmulti.collectives.worker_sums import WorkerCollectives
 from tfmulti.compat.keras_whole_weights import variables_holding
-from tfmulti.devices import variable_device
-from tfmulti.hybrid.worker_collectives import WorkerCollectives
 from tfmulti.pipeline.actions import Schedule
 from tfmulti.pipeline.runtime.executor import add_gradients
 from tfmulti.pipeline.runtime.grappler_iterations import OptimisedOnceSteps
@@ -22,9 +21,10 @@ from tfmulti.pipeline.runtime.microbatches import (
     split_microbatches,
     split_padded_microbatches,
 )
-from tfmulti.pipeline.runtime.optimizer_placement import place_optimizer_on_variable_devices
 from tfmulti.pipeline.runtime.pipeline_model import PipelineModel
-from tfmulti.split_summary import placement_table
+from tfmulti.pipeline.stages.split_summary import placement_table
+from tfmulti.platform.devices import variable_device
+from tfmulti.platform.optimizer_devices import place_optimizer_on_variable_devices
 from tfmulti.wrapped_model import WrappedModel
 
 

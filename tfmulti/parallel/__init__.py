@@ -7,36 +7,40 @@ Example:
     >>> placed = place(model, balance="params", devices=["/CPU:0", "/CPU:1"])
 """
 
-from tfmulti.parallel.causal_attention import attend_causally
-from tfmulti.parallel.communication import (
-    CommunicationBytes,
-    cross_device_bytes,
-    measure_communication,
-)
-from tfmulti.parallel.keras_distribution import shard
-from tfmulti.parallel.mesh_layout import LayoutNotHonouredWarning
-from tfmulti.parallel.parallel_attention import ParallelSelfAttention
-from tfmulti.parallel.parallel_block import pre_ln_block, pre_ln_block_bytes
-from tfmulti.parallel.parallel_mlp import ParallelMLP
-from tfmulti.parallel.placement import PlacedModel, place, place_reference_model
-from tfmulti.parallel.placement_summary import PlacementSummary
-from tfmulti.parallel.shard_devices import resolve_shard_devices
-from tfmulti.parallel.sharded_layer import (
-    TensorParallelLayer,
-    set_unsplit_weights,
-    shards_of,
-    unsplit_weights,
-)
-from tfmulti.parallel.split_dense import ColumnParallelDense, RowParallelDense
-from tfmulti.parallel.tensor_reduction import (
+from tfmulti.collectives.tensor_reduction import (
     TENSOR_REDUCTIONS,
     set_tensor_reduction,
     tensor_reduction,
     tensor_reduction_scope,
 )
-from tfmulti.parallel.unsplit import TensorParallelModel, has_tensor_parallel_layers, unsplit_model
-from tfmulti.parallel.variable_bytes import variable_bytes_per_device
-from tfmulti.parallel.vocab_embedding import VocabParallelEmbedding
+from tfmulti.keras_distribution.mesh_layout import LayoutNotHonouredWarning
+from tfmulti.keras_distribution.sharding import shard
+from tfmulti.keras_distribution.variable_bytes import variable_bytes_per_device
+from tfmulti.placement.placed_model import PlacedModel, place, place_reference_model
+from tfmulti.placement.summary import PlacementSummary
+from tfmulti.tensor_parallel.causal_attention import attend_causally
+from tfmulti.tensor_parallel.export import (
+    TensorParallelModel,
+    has_tensor_parallel_layers,
+    unsplit_model,
+)
+from tfmulti.tensor_parallel.parallel_attention import ParallelSelfAttention
+from tfmulti.tensor_parallel.parallel_block import pre_ln_block, pre_ln_block_bytes
+from tfmulti.tensor_parallel.parallel_mlp import ParallelMLP
+from tfmulti.tensor_parallel.shard_devices import resolve_shard_devices
+from tfmulti.tensor_parallel.sharded_layer import (
+    TensorParallelLayer,
+    set_unsplit_weights,
+    shards_of,
+    unsplit_weights,
+)
+from tfmulti.tensor_parallel.split_dense import ColumnParallelDense, RowParallelDense
+from tfmulti.tensor_parallel.transfer_bytes import (
+    CommunicationBytes,
+    cross_device_bytes,
+    measure_communication,
+)
+from tfmulti.tensor_parallel.vocab_embedding import VocabParallelEmbedding
 
 __all__ = [
     "ColumnParallelDense",

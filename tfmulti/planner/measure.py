@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from tfmulti.data import dataset_task, load_source
 from tfmulti.models import registry
-from tfmulti.pipeline.runtime.partition import measure_blocks
+from tfmulti.pipeline.stages.block_partition import measure_blocks
 from tfmulti.planner.costs import AffineTime, BlockCost, ModelCosts
 
 # Output all-reduces per pass of a block split Megatron-style: one after attention, one

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from tfmulti.planner.costs import ModelCosts
 from tfmulti.planner.scoring import Layout
 from tfmulti.planner.train_flags import command_line, train_flags
+from tfmulti.text_table import format_table
 
 _COLUMNS = ("#", "mesh", "schedule", "m", "v", "split", "step ms", "bubble", "peak MiB/dev")
 
@@ -30,18 +31,10 @@ def layout_row(rank: int, layout: Layout) -> tuple[str, ...]:
     )
 
 
-def format_table(rows: Sequence[Sequence[str]], columns: Sequence[str] = _COLUMNS) -> str:
-    """Left-aligned columns, each as wide as its widest cell."""
-    widths = [max(len(str(cell)) for cell in column) for column in zip(columns, *rows, strict=True)]
-    return "\n".join(
-        "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in (columns, *rows)
-    )
-
-
 def format_layouts(layouts: Sequence[Layout], costs: ModelCosts, global_batch: int) -> str:
     """The table of `layouts` (mesh is data x pipe x tensor), then each one's command."""
-    table = format_table([layout_row(rank, layout) for rank, layout in enumerate(layouts, 1)])
+    rows = [layout_row(rank, layout) for rank, layout in enumerate(layouts, 1)]
+    table = format_table(rows, _COLUMNS)
     commands = [
         f"{rank}: {command_line(train_flags(layout, costs, global_batch))}"
         for rank, layout in enumerate(layouts, 1)

@@ -15,11 +15,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from tfmulti.mesh import DeviceMesh
 from tfmulti.pipeline.balance import Block
 from tfmulti.pipeline.schedules import build_schedule
 from tfmulti.pipeline.simulate import CostModel, StageCost, simulate
 from tfmulti.planner.costs import GRADIENT_BYTES_PER_PARAM, Hardware, ring_allreduce_seconds
+from tfmulti.platform.mesh import DeviceMesh
 
 # The schedule a one-device "pipeline" runs: one forward, one backward.
 NO_PIPELINE = "gpipe"

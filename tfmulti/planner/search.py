@@ -14,11 +14,11 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 
-from tfmulti.mesh import DeviceMesh
 from tfmulti.pipeline.balance import Block, balance
 from tfmulti.pipeline.schedules import SCHEDULE_NAMES, build_schedule
 from tfmulti.planner.costs import Hardware, ModelCosts, blocks_at
 from tfmulti.planner.scoring import Layout, score_layout
+from tfmulti.platform.mesh import DeviceMesh
 
 # Up to this many contiguous splits per pipeline shape, all are simulated (exact optimum);
 # beyond it, only the balancer's.

@@ -31,9 +31,9 @@ from tfmulti.pipeline.actions import (
     Schedule,
 )
 from tfmulti.pipeline.dependencies import run_in_order
-from tfmulti.pipeline.rolling import is_fill_drain, loop_schedule
-from tfmulti.pipeline.runtime.phased_step import run_phased
-from tfmulti.pipeline.runtime.rolled_step import run_rolled
+from tfmulti.pipeline.round_loop import is_fill_drain, loop_schedule
+from tfmulti.pipeline.runtime.fill_drain_step import run_phased
+from tfmulti.pipeline.runtime.round_loop_step import run_rolled
 from tfmulti.pipeline.runtime.stage_functions import Feed, StageFunctions, is_differentiable
 from tfmulti.pipeline.runtime.tensor_packing import PackedParts
 

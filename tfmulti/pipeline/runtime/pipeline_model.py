@@ -13,12 +13,12 @@ import tensorflow as tf
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from tfmulti.costing.cost_cache import CostCache, as_cost_cache
 from tfmulti.pipeline.actions import BACKWARD, WEIGHT_GRAD, Schedule
 from tfmulti.pipeline.dependencies import TimedAction
-from tfmulti.pipeline.runtime.cost_cache import CostCache, as_cost_cache
 from tfmulti.pipeline.runtime.executor import ScheduleExecutor, StepResult
-from tfmulti.pipeline.runtime.export import chained_model, input_spec
 from tfmulti.pipeline.runtime.grappler_iterations import OptimisedOnceSteps
+from tfmulti.pipeline.runtime.looped_forward import forward_microbatches
 from tfmulti.pipeline.runtime.loss_shares import (
     BatchTotals,
     batch_totals,
@@ -33,17 +33,17 @@ from tfmulti.pipeline.runtime.microbatches import (
     microbatch_sizes,
     trim_microbatches,
 )
-from tfmulti.pipeline.runtime.model_stages import stages_from_model
-from tfmulti.pipeline.runtime.optimizer_placement import place_optimizer_on_variable_devices
-from tfmulti.pipeline.runtime.placement import (
+from tfmulti.pipeline.runtime.schedule_choice import resolve_schedule
+from tfmulti.pipeline.stages.export import chained_model, input_spec
+from tfmulti.pipeline.stages.model_stages import stages_from_model
+from tfmulti.pipeline.stages.split_summary import placement_table
+from tfmulti.pipeline.stages.stage_devices import (
     build_stages_on_devices,
     check_stage_placement,
     move_built_stages,
     resolve_devices,
 )
-from tfmulti.pipeline.runtime.rolled_forward import forward_microbatches
-from tfmulti.pipeline.runtime.schedule_choice import resolve_schedule
-from tfmulti.split_summary import placement_table
+from tfmulti.platform.optimizer_devices import place_optimizer_on_variable_devices
 from tfmulti.wrapped_model import WrappedModel
 
 

@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from tfmulti.compat.keras_whole_weights import variables_holding
-from tfmulti.devices import variable_device
-from tfmulti.pipeline.runtime.graph_cut import GraphCut, ops_between
+from tfmulti.pipeline.stages.graph_cut import GraphCut, ops_between
+from tfmulti.platform.devices import variable_device
 
 
 def is_differentiable(tensor) -> bool:

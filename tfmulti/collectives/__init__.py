@@ -1,0 +1,1 @@
+"""Sums and gathers across devices and workers: rings of placed ops and TensorFlow's collectives."""

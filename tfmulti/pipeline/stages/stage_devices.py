@@ -1,0 +1,126 @@
+"""Devices of pipeline stages: name checking, and building each stage's variables there."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import keras
+import tensorflow as tf
+
+from tfmulti.platform.devices import variable_device
+from tfmulti.platform.variable_moves import move_variable, same_device
+
+
+def resolve_devices(devices: Sequence[str]) -> list[str]:
+    """Returns the full logical-device name of each of `devices`.
+
+    Accepts any spelling TensorFlow does ("/cpu:1", "GPU:0", "/device:CPU:3",
+    "/job:localhost/replica:0/task:0/device:CPU:3").
+
+    Raises:
+        ValueError: a device is not a logical device of this process, or appears twice.
+    """
+    available = {}
+    by_full_name = {}
+    for logical in tf.config.list_logical_devices():
+        spec = tf.DeviceSpec.from_string(logical.name)
+        by_full_name[spec.to_string()] = logical.name
+        # In a cluster the list also holds other workers' devices, after this worker's.
+        available.setdefault((spec.device_type.upper(), spec.device_index), logical.name)
+    resolved = []
+    for name in devices:
+        try:
+            spec = tf.DeviceSpec.from_string(name)
+        except ValueError as error:
+            raise ValueError(
+                f"Cannot read device name {name!r}; write it like '/device:CPU:0'. "
+                f"Available: {sorted(available.values())}"
+            ) from error
+        if spec.to_string() in by_full_name:
+            resolved.append(by_full_name[spec.to_string()])
+            continue
+        key = ((spec.device_type or "").upper(), spec.device_index)
+        if key not in available:
+            raise ValueError(
+                f"Unknown device {name!r}. Use one of {sorted(available.values())}, or "
+                "make more with tfmulti.platform.devices.configure_logical_devices."
+            )
+        resolved.append(available[key])
+    if len(set(resolved)) != len(resolved):
+        raise ValueError(f"Each pipeline device must appear once. Received: devices={devices}")
+    return resolved
+
+
+def build_stages_on_devices(
+    stages: Sequence[keras.layers.Layer], stage_device_names: Sequence[str], inputs
+) -> None:
+    """Builds every unbuilt stage under its device, feeding each the previous one's output spec.
+
+    Keras builds layers eagerly inside `tf.init_scope`, which forgets the device scope of a
+    traced function, so the device is entered again inside it.
+
+    Args:
+        stages: the stages, in order.
+        stage_device_names: the device of each stage.
+        inputs: a nest of tensors or KerasTensors shaped like one batch of stage 0's input.
+    """
+    spec = tf.nest.map_structure(
+        lambda t: keras.KerasTensor(t.shape, dtype=keras.backend.standardize_dtype(t.dtype)),
+        inputs,
+    )
+    with tf.init_scope():
+        for stage, device in zip(stages, stage_device_names, strict=True):
+            with tf.device(device):
+                spec = stage(spec)
+
+
+def owned_variables(stages: Sequence[keras.layers.Layer]) -> list[list]:
+    """Per stage, the variables it places on its device: those no earlier stage holds (a
+    weight tied between stages lives with the first stage that uses it), except the shards
+    of tensor-parallel layers, which live on their own group of devices."""
+    # Imported here: tfmulti.parallel's placement imports the pipeline runtime.
+    from tfmulti.tensor_parallel.sharded_layer import TensorParallelLayer
+
+    seen = set()
+    owned = []
+    for stage in stages:
+        self_placed = {
+            id(v)
+            for layer in stage._flatten_layers()
+            if isinstance(layer, TensorParallelLayer)
+            for v in layer.variables
+        }
+        own = [v for v in stage.variables if id(v) not in seen and id(v) not in self_placed]
+        seen.update(id(v) for v in stage.variables)
+        owned.append(own)
+    return owned
+
+
+def move_built_stages(
+    stages: Sequence[keras.layers.Layer], stage_device_names: Sequence[str]
+) -> None:
+    """Moves the variables of every built stage onto its stage's device (unbuilt stages are
+    built there later); a tied weight goes to the first stage that holds it."""
+    for stage, variables, device in zip(
+        stages, owned_variables(stages), stage_device_names, strict=True
+    ):
+        if stage.built:
+            for variable in variables:
+                move_variable(variable, device)
+
+
+def check_stage_placement(
+    stages: Sequence[keras.layers.Layer], stage_device_names: Sequence[str]
+) -> None:
+    """Raises ValueError when a stage's variable lives off its stage's device."""
+    for index, (variables, device) in enumerate(
+        zip(owned_variables(stages), stage_device_names, strict=True)
+    ):
+        for variable in variables:
+            if not same_device(variable_device(variable), device):
+                raise ValueError(
+                    f"Stage {index}'s variable {variable.path!r} is on "
+                    f"{variable_device(variable)}, not on its stage device {device}: it was "
+                    "created after the pipeline placed its stage. Build the stage before "
+                    f"making the pipeline, or build it under `tf.device({device!r})`."
+                )

@@ -1,0 +1,111 @@
+"""Logical devices: split one physical device into N before TensorFlow initialises.
+
+This is how every multi-device path runs on a machine with one CPU or one GPU;
+on a machine with enough real accelerators nothing is split.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+class DeviceConfigurationError(ValueError):
+    """Raised when logical devices cannot be set up as asked."""
+
+
+def accelerator_type() -> str:
+    """Returns "GPU" when TensorFlow sees a GPU, else "CPU"."""
+    return "GPU" if tf.config.list_physical_devices("GPU") else "CPU"
+
+
+def configure_logical_devices(
+    num_devices: int,
+    device_type: str | None = None,
+    memory_limit_mb: int = 1024,
+) -> None:
+    """Makes `num_devices` logical devices of `device_type`, without starting TensorFlow.
+
+    TensorFlow stays uninitialised, so a multi-worker strategy can still be
+    built afterwards; `logical_device_names()` lists the devices (and starts it).
+
+    Args:
+        num_devices: how many logical devices are wanted (>= 1).
+        device_type: "CPU" or "GPU"; defaults to GPU when one is present.
+        memory_limit_mb: memory of each logical GPU when one GPU is split
+            (TensorFlow requires a limit for virtual GPUs; ignored for CPU).
+
+    Raises:
+        DeviceConfigurationError: TensorFlow was already initialised with a
+            different device layout, or there is no device of that type.
+
+    Example:
+        >>> configure_logical_devices(4)  # before any other TensorFlow work
+    """
+    if num_devices < 1:
+        raise DeviceConfigurationError(
+            f"num_devices must be >= 1. Received: num_devices={num_devices}"
+        )
+    device_type = (device_type or accelerator_type()).upper()
+    physical = tf.config.list_physical_devices(device_type)
+    if not physical:
+        raise DeviceConfigurationError(
+            f"No physical {device_type} device is visible. Received: device_type={device_type!r}"
+        )
+    if device_type == "GPU" and len(physical) >= num_devices:
+        return
+
+    memory_limit = memory_limit_mb if device_type == "GPU" else None
+    config = [
+        tf.config.LogicalDeviceConfiguration(memory_limit=memory_limit) for _ in range(num_devices)
+    ]
+    try:
+        tf.config.set_logical_device_configuration(physical[0], config)
+    except RuntimeError as error:
+        existing = tf.config.list_logical_devices(device_type)
+        if len(existing) >= num_devices:
+            return
+        raise DeviceConfigurationError(
+            f"TensorFlow is already initialised with {len(existing)} logical {device_type} "
+            f"device(s), so {num_devices} cannot be made now. Configure logical devices "
+            "before creating any tensor, model or strategy."
+        ) from error
+
+
+def logical_device_names(device_type: str | None = None) -> list[str]:
+    """Returns the names of the logical devices of `device_type` (default: accelerator)."""
+    device_type = (device_type or accelerator_type()).upper()
+    return [device.name for device in tf.config.list_logical_devices(device_type)]
+
+
+def first_logical_devices(count: int, purpose: str) -> list[str]:
+    """The first `count` logical accelerator (or CPU) devices, or a ValueError naming the fix.
+
+    Args:
+        count: how many devices are needed.
+        purpose: what needs them, for the message, e.g. "--num_stages=4".
+    """
+    available = logical_device_names()
+    if count > len(available):
+        raise ValueError(
+            f"{purpose} needs {count} devices but only {len(available)} exist "
+            f"({available}); ask for fewer or make more logical devices (--virtual_devices)."
+        )
+    return available[:count]
+
+
+def variable_device(variable) -> str:
+    """The device that holds `variable`'s storage (a Keras or a TensorFlow variable).
+
+    Not `variable.value.device`: under a mixed-precision policy, reading `value` inside a
+    layer's call gives a float16 copy made on the current device.
+    """
+    # Keras keeps the tf.Variable in `_value`; its public `value` and `handle` go through
+    # the autocast, so they cannot say where the storage is.
+    storage = getattr(variable, "_value", None)
+    return storage.device if isinstance(storage, tf.Variable) else variable.device
+
+
+def short_device_name(device: str) -> str:
+    """`/job:worker/replica:0/task:0/device:CPU:1` as `/device:CPU:1`."""
+    spec = tf.DeviceSpec.from_string(device)
+    return f"/device:{spec.device_type}:{spec.device_index}"

@@ -1,0 +1,32 @@
+"""Moving built Keras variables to another device while they keep their identity.
+
+Layers, optimizers and checkpoints hold on to the Keras variable object, so a variable is
+moved by re-creating its backing `tf.Variable` under the new device, never replaced.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tfmulti.platform.devices import variable_device
+
+
+def same_device(first: str, second: str) -> bool:
+    """Whether two device names name the same device type and index."""
+    first, second = tf.DeviceSpec.from_string(first), tf.DeviceSpec.from_string(second)
+    return (first.device_type, first.device_index) == (second.device_type, second.device_index)
+
+
+def move_variable(variable: keras.Variable, device: str) -> None:
+    """Moves `variable`'s storage to `device`; the Keras variable stays the same object.
+
+    Example:
+        >>> move_variable(layer.kernel, "/device:CPU:1")
+    """
+    if same_device(variable_device(variable), device):
+        return
+    # Keras re-creates the backing tf.Variable from a value: under this device scope it
+    # lands on `device`.
+    with tf.init_scope(), tf.device(device):
+        variable._initialize(tf.identity(variable.value))

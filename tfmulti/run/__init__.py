@@ -1,0 +1,1 @@
+"""A training job: building the model, callbacks, checkpoints, resume, preemption and records."""

@@ -1,0 +1,148 @@
+"""Builds and compiles the model a `TrainConfig` asks for, spread the way `--strategy` names.
+
+The model comes from `tfmulti.strategies.model_source` (a reference model or the user's
+`package.module:function`); the way of spreading it from `tfmulti.strategies.get_spread`; the
+optimizer from the user's own compile, or from the config (`choose_optimizer`).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from tfmulti.config import TrainConfig
+from tfmulti.data import DataInfo
+from tfmulti.platform.cluster import ClusterInfo
+from tfmulti.run.lr_schedules import describe_learning_rate, learning_rate_schedule
+from tfmulti.strategies import BuildContext, default_loss_and_metrics, get_spread, model_source
+from tfmulti.strategies.model_source import ModelSource
+
+
+def build_optimizer(
+    name: str,
+    learning_rate: float,
+    lr_schedule: str = "constant",
+    warmup_steps: int = 0,
+    total_steps: int = 1,
+) -> keras.optimizers.Optimizer:
+    """Returns a Keras optimizer by name ("sgd", "adam", ...) whose rate follows `lr_schedule`.
+
+    Args:
+        name: one of `tfmulti.config.OPTIMIZER_NAMES`.
+        learning_rate: the peak learning rate.
+        lr_schedule, warmup_steps, total_steps: see
+            `tfmulti.run.lr_schedules.learning_rate_schedule`.
+
+    Example:
+        >>> build_optimizer("sgd", 0.1, "cosine", warmup_steps=10, total_steps=100)
+    """
+    rate = learning_rate_schedule(lr_schedule, learning_rate, warmup_steps, total_steps)
+    return keras.optimizers.get({"class_name": name, "config": {"learning_rate": rate}})
+
+
+def run_steps(config: TrainConfig, info: DataInfo) -> int:
+    """Steps the whole run trains: epochs times the steps of one epoch."""
+    steps_per_epoch = config.steps_per_epoch or info.num_train_examples // config.batch_size
+    return max(1, steps_per_epoch) * config.epochs
+
+
+def choose_optimizer(
+    config: TrainConfig, source: ModelSource, total_steps: int
+) -> keras.optimizers.Optimizer:
+    """The optimizer the run trains with, and a log line saying which it is.
+
+    The user's function's own optimizer (a copy, schedule included) when it compiled the
+    model and `config.keep_compiled_optimizer` holds; else the one `config` names.
+    """
+    compiled = source.compiled_optimizer() if config.keep_compiled_optimizer else None
+    if compiled is not None:
+        inner = getattr(compiled, "inner_optimizer", compiled)
+        logging.info(
+            "Optimizer: %s, learning rate %s, as --model=%s compiled it (--optimizer, "
+            "--learning_rate, --lr_schedule or --warmup_steps would replace it).",
+            type(inner).__name__,
+            describe_learning_rate(inner._learning_rate),
+            config.model,
+        )
+        return compiled
+    optimizer = build_optimizer(
+        config.optimizer, config.learning_rate, config.lr_schedule, config.warmup_steps, total_steps
+    )
+    logging.info(
+        "Optimizer: %s, learning rate %s.",
+        type(optimizer).__name__,
+        describe_learning_rate(optimizer._learning_rate),
+    )
+    return optimizer
+
+
+def compile_model(
+    model: keras.Model,
+    config: TrainConfig,
+    optimizer: keras.optimizers.Optimizer,
+    loss=None,
+    metrics=None,
+) -> None:
+    """Compiles `model` with `optimizer` and the settings of `config`.
+
+    Args:
+        model: the model to compile.
+        config: the run's settings.
+        optimizer: the optimizer to train with (see `choose_optimizer`).
+        loss, metrics: as for `keras.Model.compile`; by default logits against integer
+            labels, with accuracy.
+    """
+    if loss is None:
+        loss, metrics = default_loss_and_metrics()
+    model.compile(
+        optimizer=optimizer,
+        loss=loss,
+        metrics=metrics,
+        jit_compile=config.jit_compile,
+        steps_per_execution=config.steps_per_execution,
+    )
+
+
+def resolve_run_cluster(config: TrainConfig) -> ClusterInfo | None:
+    """The workers the run spans; None for a run on one host."""
+    return get_spread(config.strategy).resolve_cluster(config)
+
+
+def data_parallel_replicas(config: TrainConfig, strategy: tf.distribute.Strategy) -> int:
+    """How many ways the global batch is split: the mesh's data size under hybrid."""
+    return get_spread(config.strategy).data_replicas(config, strategy)
+
+
+def make_strategy(config: TrainConfig, cluster: ClusterInfo | None) -> tf.distribute.Strategy:
+    """Returns the strategy of `config`: multi-worker over `cluster`, data-parallel on
+    this host, or the default strategy for ways that place the model themselves."""
+    return get_spread(config.strategy).make_strategy(config, cluster)
+
+
+def build_compiled_model(
+    config: TrainConfig,
+    info: DataInfo,
+    strategy: tf.distribute.Strategy,
+    sample_x: np.ndarray,
+    cluster: ClusterInfo | None = None,
+) -> keras.Model:
+    """Builds and compiles the model of `config` for data described by `info`.
+
+    Args:
+        config: the run's settings.
+        info: the dataset's description (input shape, classes).
+        strategy: from `make_strategy(config)`.
+        sample_x: one global batch of inputs; builds the model and costs its pieces.
+        cluster: the workers the run spans (None on one host).
+    """
+    spread = get_spread(config.strategy)
+    source = model_source(config, info)
+    context = BuildContext(sample_x, strategy, cluster)
+    with spread.scope(strategy):
+        model = spread.build(source, config, context)
+        optimizer = choose_optimizer(config, source, run_steps(config, info))
+        compile_model(model, config, optimizer, *source.loss_and_metrics())
+    spread.prepare(model, context)
+    return model

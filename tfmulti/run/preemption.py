@@ -1,0 +1,103 @@
+"""Preemption: on SIGTERM the whole group saves a step checkpoint at one agreed step and exits.
+
+TensorFlow's `PreemptionCheckpointHandler` does the agreeing: the worker that receives
+SIGTERM names the next step through the coordination service, every worker trains up
+to it, and each then calls our `save_fn` and `exit_fn` at the same step. Here `save_fn`
+writes tfmulti's own step checkpoint (weights, optimizer, metrics, seeds, position), so
+a restarted run resumes at that exact step like any other, and `exit_fn` raises
+`Preempted`, which the scripts turn into `PREEMPTED_EXIT_CODE`: the code the launcher
+(and Borg-style cluster managers, as TensorFlow's own default) read as "restart me".
+On one process (one device, mirrored, pipeline, placed, hybrid on one host) the same
+handler works locally, with no agreement to make.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import tempfile
+
+import keras
+import tensorflow as tf
+
+from tfmulti.errors import Preempted
+from tfmulti.run.step_checkpoint import StepCheckpoint
+
+
+class SaveOnPreemption(keras.callbacks.Callback):
+    """Saves a step checkpoint and ends training when this run or a peer gets SIGTERM.
+
+    Put it after `step_checkpoint` among the callbacks (it saves at the position that
+    one has counted) and after the callbacks that record an epoch (a preemption on an
+    epoch's last step lets the epoch finish, validation and records included, and ends
+    the run at the epoch-end checkpoint).
+
+    Args:
+        step_checkpoint: the run's step checkpoints (a private directory on non-chief
+            workers, as for its own saves).
+        cluster_resolver: the multi-worker strategy's resolver; None on one process.
+
+    Raises:
+        Preempted: from `fit`, once the checkpoint is saved.
+    """
+
+    def __init__(self, step_checkpoint: StepCheckpoint, cluster_resolver=None):
+        super().__init__()
+        self.step_checkpoint = step_checkpoint
+        self.cluster_resolver = cluster_resolver
+        self._handler = None
+        self._previous_sigterm = None
+        self._scratch = None
+        self._saved: tuple[int, int, str] | None = None
+        self._ends_with_epoch = False
+
+    def on_train_begin(self, logs=None):
+        self._previous_sigterm = signal.getsignal(signal.SIGTERM)
+        # The handler restores and keeps its own step counter in a checkpoint directory;
+        # ours never writes there (save_fn replaces its save), so a scratch one serves.
+        self._scratch = tempfile.mkdtemp(prefix="tfmulti-preemption-")
+        manager = tf.train.CheckpointManager(tf.train.Checkpoint(), self._scratch, max_to_keep=1)
+        config = tf.distribute.experimental.TerminationConfig(
+            exit_fn=self._exit, save_fn=self._save, grace_period=0
+        )
+        self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
+            self.cluster_resolver, manager, termination_config=config
+        )
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._handler.save_checkpoint_if_preempted()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._ends_with_epoch:
+            # The epoch-end checkpoint (saved before this callback runs) is the one.
+            self._raise(epoch + 1, 0, self.step_checkpoint.last_saved)
+
+    def on_train_end(self, logs=None):
+        self._release()
+
+    def _save(self) -> None:
+        epoch, step = self.step_checkpoint.position
+        if step >= self.step_checkpoint.steps_per_epoch:
+            self._ends_with_epoch = True
+            return
+        self._saved = (epoch, step, self.step_checkpoint.save(epoch, step))
+
+    def _exit(self) -> None:
+        if self._ends_with_epoch:
+            return
+        epoch, step, path = self._saved
+        self._raise(epoch, step, path)
+
+    def _raise(self, epoch: int, step: int, checkpoint: str) -> None:
+        self._release()
+        raise Preempted(epoch, step, checkpoint)
+
+    def _release(self) -> None:
+        """Gives SIGTERM back to its previous handler, so a late one ends the process."""
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
+        self._handler = None
+        if self._scratch:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None

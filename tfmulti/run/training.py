@@ -1,0 +1,309 @@
+"""Runs a whole training job from a `TrainConfig`: data, model, strategy, callbacks, records."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import keras
+from absl import logging
+
+from tfmulti import data as data_lib
+from tfmulti.compat import tf_profiler, worker_paths
+from tfmulti.config import TrainConfig
+from tfmulti.errors import IncompatibleCheckpoint, Preempted, TrainingError
+from tfmulti.hybrid import worker_rows
+from tfmulti.models import registry
+from tfmulti.names import HYBRID_STRATEGY_NAME, RESTART_COUNT_VARIABLE
+from tfmulti.pipeline.stages.split_summary import split_summary
+from tfmulti.platform.cluster import ClusterInfo, worker_output_dir
+from tfmulti.platform.distribute_strategy import per_replica_batch_size
+from tfmulti.platform.input_sharding import check_file_sharding
+from tfmulti.run.callbacks import StopOnNonFiniteLoss, ThroughputLogger
+from tfmulti.run.epoch_checkpoint import EpochCheckpoint, latest_checkpoint
+from tfmulti.run.model_setup import (
+    build_compiled_model,
+    data_parallel_replicas,
+    make_strategy,
+    resolve_run_cluster,
+)
+from tfmulti.run.preemption import SaveOnPreemption
+from tfmulti.run.profiling import ProfileSteps
+from tfmulti.run.run_record import METRICS_FILE, RecordEpochs, RunRecord
+from tfmulti.run.step_checkpoint import (
+    ResumePoint,
+    ResumeRun,
+    StepCheckpoint,
+    find_resume_point,
+)
+from tfmulti.run.user_callbacks import load_callbacks
+
+
+def restarted_by_launcher() -> bool:
+    """Whether `scripts/launch.py` (or a manager that sets the same variable) restarted us."""
+    return int(os.environ.get(RESTART_COUNT_VARIABLE, "0") or 0) > 0
+
+
+def resume_directory(model_dir: str) -> str:
+    """Where the chief keeps the run's step checkpoints, which every worker resumes from."""
+    return os.path.join(model_dir, "backup")
+
+
+def check_model_dir(model_dir: str, resume: bool, is_chief: bool = True) -> ResumePoint | None:
+    """Returns the checkpoint a resumed run continues from (None for a fresh start).
+
+    The chief refuses to reuse a directory that already holds a run unless
+    `resume` is set, so nothing written before is overwritten by accident
+    (other workers may see the chief's new files, so they do not check).
+    """
+    has_run = os.path.exists(os.path.join(model_dir, METRICS_FILE))
+    if has_run and not resume and is_chief:
+        raise ValueError(
+            f"--model_dir={model_dir} already holds a run. Pass --resume to continue it "
+            "or choose a new --model_dir."
+        )
+    if not resume:
+        return None
+    return find_resume_point(resume_directory(model_dir), report=logging.warning)
+
+
+def _batch_hooks_idle(callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
+    """Lets Keras run `callback`'s batch hooks off the step loop.
+
+    Keras waits for each step's results whenever a callback without
+    `async_safe` has a batch-end hook. TensorBoard writing per epoch does nothing
+    in its, so the wait is pure loss.
+    """
+    callback.async_safe = True
+    return callback
+
+
+def standard_callbacks(
+    config: TrainConfig,
+    output_dir: str,
+    record: RunRecord,
+    steps_per_epoch: int,
+    cluster: ClusterInfo | None = None,
+    resume_point: ResumePoint | None = None,
+    cluster_resolver=None,
+    user_callbacks=(),
+) -> tuple[list[keras.callbacks.Callback], StopOnNonFiniteLoss]:
+    """Returns the callbacks every tfmulti run uses, and the NaN guard among them.
+
+    tfmulti's own callbacks write to `output_dir` (a scratch directory on
+    non-chief workers); Keras's get the user's `model_dir`, and the multi-worker
+    compat fix sends non-chief workers' copies to scratch. A run resumed mid-epoch
+    restores its checkpoint and first finishes that epoch's remaining steps (`ResumeRun`).
+    On SIGTERM the group saves a step checkpoint at an agreed step and raises `Preempted`
+    (`cluster_resolver`: the multi-worker strategy's, for the agreement).
+    `user_callbacks` (`--callbacks`) run before tfmulti's records, so what they add to an
+    epoch's logs (ReduceLROnPlateau's `learning_rate`) is recorded too.
+    """
+    logs_dir = os.path.join(output_dir, "logs")
+    nan_guard = StopOnNonFiniteLoss()
+    step_checkpoint = StepCheckpoint(
+        resume_directory(output_dir),
+        steps_per_epoch,
+        every_steps=config.checkpoint_steps,
+        start=resume_point,
+    )
+    callbacks = [ResumeRun(resume_point, steps_per_epoch)] if resume_point else []
+    callbacks += [
+        nan_guard,
+        ThroughputLogger(
+            config.batch_size, log_steps=config.log_steps, log_dir=os.path.join(logs_dir, "train")
+        ),
+        step_checkpoint,
+        EpochCheckpoint(os.path.join(output_dir, "checkpoints"), keep=config.keep_checkpoints),
+        *user_callbacks,
+        RecordEpochs(record),
+        _batch_hooks_idle(
+            keras.callbacks.TensorBoard(os.path.join(config.model_dir, "logs"), profile_batch=0)
+        ),
+    ]
+    if config.trace_steps:
+        from tfmulti.pipeline.runtime import PipelineTimelineCallback
+
+        callbacks.append(PipelineTimelineCallback(logs_dir, steps=config.trace_steps))
+    if config.profile_steps:
+        callbacks += _profile_callbacks(config, cluster)
+    # Last: a preemption at an epoch's end waits for every record of that epoch.
+    callbacks.append(SaveOnPreemption(step_checkpoint, cluster_resolver))
+    return callbacks, nan_guard
+
+
+def _profile_callbacks(config: TrainConfig, cluster: ClusterInfo | None) -> list:
+    """The profiler callback of this process, if its TensorFlow can profile it safely."""
+    log_dir = os.path.join(config.model_dir, "logs", "train")
+    if cluster is None:
+        return [ProfileSteps(log_dir, config.profile_steps)]
+    if not tf_profiler.host_profiler_is_safe(cluster.num_workers > 1, cluster.is_chief):
+        logging.warning(tf_profiler.skipped_notice(cluster.task_index))
+        return []
+    # Each worker that traces writes into the chief's log directory, one host entry each.
+    return [ProfileSteps(log_dir, config.profile_steps, f"worker{cluster.task_index}")]
+
+
+def _shard_policy(
+    config: TrainConfig, source: data_lib.ArrayData | data_lib.RecordData, cluster
+) -> str | None:
+    """The tf.data auto-shard policy for a multi-worker run (None on one host)."""
+    if cluster is None:
+        return None
+    if config.shard_policy == "file":
+        if not isinstance(source, data_lib.RecordData):
+            raise ValueError(
+                f"--shard_policy=file needs input files; --dataset={config.dataset} is held "
+                "in memory. Use --shard_policy=data or auto."
+            )
+        check_file_sharding(len(source.files), cluster.num_workers)
+    return config.shard_policy
+
+
+def _first_inputs(source: data_lib.ArrayData | data_lib.RecordData, batch_size: int):
+    """One global batch of inputs (any rows will do), to build and cost the model."""
+    if isinstance(source, data_lib.ArrayData):
+        return source.x_train[:batch_size]
+    return next(iter(source.train.batch(batch_size).take(1)))[0].numpy()
+
+
+# Marks the record `train` returns for a resumed run that had no epoch left to train.
+NOTHING_LEFT_TO_TRAIN = "nothing_left_to_train"
+
+
+def _nothing_left_to_train(config: TrainConfig, resume_point: ResumePoint) -> dict:
+    """Says in one line that a resumed run trained every epoch asked for; returns its
+    `metrics.json` record, marked `nothing_left_to_train`, leaving every file as it was."""
+    logging.info(
+        "Nothing left to train: --model_dir=%s has trained %d epoch(s) and --epochs=%d; "
+        "pass a larger --epochs to train on.",
+        config.model_dir,
+        resume_point.epoch,
+        config.epochs,
+    )
+    with open(os.path.join(config.model_dir, METRICS_FILE)) as handle:
+        return {**json.load(handle), NOTHING_LEFT_TO_TRAIN: True}
+
+
+def train(config: TrainConfig) -> dict:
+    """Trains the model described by `config` and returns the `metrics.json` record.
+
+    Raises:
+        ValueError: a setting is invalid (the message names it and the fix).
+        TrainingError: training diverged; the last good checkpoint is kept.
+    """
+    keras.utils.set_random_seed(config.seed)
+    keras.mixed_precision.set_dtype_policy(config.dtype)
+    cluster = resolve_run_cluster(config)
+    strategy = make_strategy(config, cluster)
+    replicas = data_parallel_replicas(config, strategy)
+    per_replica = per_replica_batch_size(config.batch_size, replicas)
+    hybrid = config.strategy == HYBRID_STRATEGY_NAME
+    output_dir = worker_output_dir(config.model_dir, cluster) if cluster else config.model_dir
+    resume_point = check_model_dir(
+        config.model_dir,
+        config.resume or restarted_by_launcher(),
+        is_chief=cluster is None or cluster.is_chief,
+    )
+    if resume_point and resume_point.epoch >= config.epochs:
+        return _nothing_left_to_train(config, resume_point)
+    start_step = resume_point.global_step if resume_point else 0
+
+    user_callbacks = load_callbacks(config.callbacks)
+    registry.check_model_accepts(config.model, data_lib.dataset_task(config.dataset))
+    source = data_lib.load_source(config.dataset, data_path=config.data_path, seed=config.seed)
+    registry.check_model_accepts(config.model, source.info.task, source.info.input_shape)
+    steps_per_epoch = config.steps_per_epoch or source.info.num_train_examples // config.batch_size
+    data = data_lib.make_datasets_from_source(
+        source,
+        config.batch_size,
+        seed=config.seed,
+        steps_per_epoch=steps_per_epoch,
+        start_step=start_step,
+        total_steps=steps_per_epoch * config.epochs - start_step,
+        shard_policy=None if hybrid else _shard_policy(config, source, cluster),
+    )
+    if hybrid and cluster is not None:
+        # Each worker feeds its own rows of every global batch; every worker validates on
+        # the whole validation split, so all report the same.
+        data = dataclasses.replace(data, train=worker_rows(data.train, cluster))
+    model = build_compiled_model(
+        config, data.info, strategy, _first_inputs(source, config.batch_size), cluster
+    )
+    run = {
+        **config.to_dict(),
+        "num_replicas": replicas,
+        "per_replica_batch_size": per_replica,
+        "parameters": (model.replicas[0] if hybrid else model).count_params(),
+    }
+    split = split_summary(model)
+    if split is not None:
+        run["split"] = split.to_dict()
+        if cluster is None or cluster.is_chief:
+            logging.info("%s", split)
+    record = RunRecord(
+        output_dir, run, resume_from_epoch=resume_point.epoch if resume_point else None
+    )
+    if resume_point:
+        record.add_resume(resume_point.epoch + 1, resume_point.step, resume_point.name, time.time())
+        logging.info(
+            "Resuming at epoch %d, step %d (from %s)",
+            resume_point.epoch + 1,
+            resume_point.step,
+            resume_point.weights_path,
+        )
+    callbacks, nan_guard = standard_callbacks(
+        config,
+        output_dir,
+        record,
+        data.steps_per_epoch,
+        cluster,
+        resume_point,
+        cluster_resolver=getattr(strategy, "cluster_resolver", None) if cluster else None,
+        user_callbacks=user_callbacks,
+    )
+    if hybrid and cluster is not None and not cluster.is_chief:
+        # No multi-worker strategy scope here, so the compat fix does not redirect them.
+        worker_paths.redirect_to_scratch(callbacks, worker_paths.scratch_dir())
+    logging.info(
+        "Training %s on %s: %s over %d replica(s), global batch %d (%d per replica).",
+        config.model,
+        config.dataset,
+        config.strategy,
+        replicas,
+        config.batch_size,
+        per_replica,
+    )
+    validation_steps = config.validation_steps or data.validation_steps
+    try:
+        model.fit(
+            data.train,
+            validation_data=data.validation,
+            epochs=config.epochs,
+            initial_epoch=resume_point.epoch if resume_point else 0,
+            steps_per_epoch=data.steps_per_epoch,
+            validation_steps=validation_steps,
+            callbacks=callbacks,
+            verbose=2,
+        )
+    except IncompatibleCheckpoint:
+        record.put_back_previous()
+        raise
+    except Preempted as preempted:
+        record.add_preemption(
+            preempted.epoch + 1, preempted.step, os.path.basename(preempted.checkpoint), time.time()
+        )
+        raise
+    if nan_guard.failure:
+        last_good = latest_checkpoint(os.path.join(output_dir, "checkpoints"))
+        message = f"{nan_guard.failure}; last good checkpoint: {last_good or 'none yet'}"
+        record.finish({}, failure=message)
+        raise TrainingError(
+            f"Training stopped: {message}. Lower --learning_rate or use --dtype=float32."
+        )
+    final = model.evaluate(data.validation, steps=validation_steps, verbose=0, return_dict=True)
+    record.finish(final)
+    logging.info("Finished. TensorBoard logs: %s", os.path.join(output_dir, "logs"))
+    return record.record

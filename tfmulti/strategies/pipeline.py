@@ -1,0 +1,179 @@
+"""Pipeline parallelism: the model cut into stages on devices, micro-batches on a schedule."""
+
+from __future__ import annotations
+
+import os
+
+import keras
+import numpy as np
+from absl import logging
+
+from tfmulti.config import TrainConfig
+from tfmulti.pipeline.stages.split_summary import MEASURED_SECONDS_ATTRIBUTE, MeasuredStageSeconds
+from tfmulti.platform.devices import first_logical_devices
+from tfmulti.strategies.base import BuildContext, DeviceSpread, check_batch_splits
+from tfmulti.strategies.model_source import ModelSource
+
+
+class Pipeline(DeviceSpread):
+    """`pipeline`: `--num_stages` stages, `--microbatches` per step, on `--schedule`."""
+
+    def build(self, source: ModelSource, config: TrainConfig, context: BuildContext) -> keras.Model:
+        return build_staged_model(source, config, context.sample_x, pipelined=True)
+
+
+def model_partition(partition: str) -> str | list[str]:
+    """`--partition` for a whole model: a policy, or "layers:A,B" (layers where stages 1.. begin).
+
+    Example:
+        >>> model_partition("layers:block_2,block_4")
+        ['block_2', 'block_4']
+    """
+    policy, _, names = partition.partition(":")
+    if policy == "layers":
+        return names.split(",")
+    if policy == "manual":
+        raise ValueError(
+            "A model from package.module:function is cut at named layers, not block indices; "
+            f"use --partition=layers:NAME,NAME. Received: --partition={partition}"
+        )
+    return policy
+
+
+def partition_cost_cache(config: TrainConfig):
+    """`<model_dir>/partition_costs.json` under `--partition=time` (read unless
+    `--remeasure_partition`), so a resumed or repeated run does not time again; else None.
+
+    A resumed run always reads the kept costs: its step checkpoint holds the stages they
+    cut, and new timings could cut the model elsewhere, where the checkpoint does not load.
+    """
+    return kept_costs(config) if config.partition == "time" else None
+
+
+def kept_costs(config: TrainConfig):
+    """The `CostCache` in `<model_dir>/partition_costs.json`: timings of blocks and layer
+    calls kept between runs (re-timed with `--remeasure_partition`, except on `--resume`)."""
+    from tfmulti.costing.cost_cache import COST_CACHE_FILE, CostCache
+
+    path = os.path.join(config.model_dir, COST_CACHE_FILE)
+    remeasure = config.remeasure_partition
+    if remeasure and config.resume and os.path.exists(path):
+        logging.warning(
+            "--remeasure_partition is ignored with --resume: the run's checkpoint holds the "
+            "stages cut by the costs in %s, and new timings could cut them elsewhere. Start a "
+            "new --model_dir to re-cut.",
+            path,
+        )
+        remeasure = False
+    return CostCache(path, remeasure)
+
+
+def split_blocks(
+    config: TrainConfig,
+    blocks: list[keras.layers.Layer],
+    num_stages: int,
+    num_microbatches: int,
+    microbatch_x: np.ndarray,
+    schedule: str,
+) -> tuple[int, ...]:
+    """Stage boundaries of `blocks` by `config.partition`, costed on one micro-batch."""
+    boundaries, _ = _split_and_seconds(
+        config, blocks, num_stages, num_microbatches, microbatch_x, schedule
+    )
+    return boundaries
+
+
+def _split_and_seconds(
+    config: TrainConfig,
+    blocks: list[keras.layers.Layer],
+    num_stages: int,
+    num_microbatches: int,
+    microbatch_x: np.ndarray,
+    schedule: str,
+) -> tuple[tuple[int, ...], MeasuredStageSeconds | None]:
+    """`split_blocks`, with each stage's measured seconds under `--partition=time`; block
+    timings are kept in `partition_cost_cache(config)`."""
+    from tfmulti.pipeline.stages.block_partition import block_costs, partition_blocks
+
+    if num_stages > len(blocks):
+        raise ValueError(
+            f"Model {config.model!r} has {len(blocks)} blocks, too few for {num_stages} "
+            "stages; use fewer stages (--num_stages, pipe in --mesh) or --chunks."
+        )
+    timed = config.partition == "time"
+    costs = block_costs(blocks, config.partition, microbatch_x, partition_cost_cache(config))
+    partition = partition_blocks(
+        blocks,
+        num_stages,
+        config.partition,
+        num_microbatches=num_microbatches,
+        # The balancer simulates one stage per device; interleaved splits use 1F1B's model.
+        schedule=schedule if config.chunks == 1 else "1f1b",
+        costs=costs,
+    )
+    seconds = MeasuredStageSeconds.from_blocks(costs, partition.boundaries) if timed else None
+    return partition.boundaries, seconds
+
+
+def build_staged_model(
+    source: ModelSource, config: TrainConfig, sample_x: np.ndarray, pipelined: bool
+) -> keras.Model:
+    """Splits the model's blocks into stages on devices, in a `PipelineModel`.
+
+    A reference model's blocks are split by `partition_blocks`; any other model is cut
+    by `PipelineModel.from_model`.
+
+    Args:
+        source: the run's model.
+        config: the run's settings.
+        sample_x: one global batch of inputs, to cost the blocks.
+        pipelined: micro-batches on `config.schedule` (True), or one batch through the
+            stages in turn (False: plain model parallelism).
+    """
+    from tfmulti.pipeline.runtime import PipelineModel, stages_from_blocks
+
+    num_microbatches = config.microbatches if pipelined else 1
+    schedule = config.schedule if pipelined else "model_parallel"
+    chunks = config.chunks if pipelined else 1
+    devices = first_logical_devices(config.num_stages, f"--num_stages={config.num_stages}")
+    check_batch_splits(
+        config.batch_size, num_microbatches, f"{num_microbatches} micro-batches (--microbatches)"
+    )
+    if not source.is_reference:
+        return PipelineModel.from_model(
+            source.model(),
+            devices,
+            num_microbatches,
+            schedule,
+            chunks=chunks,
+            partition=model_partition(config.partition),
+            remat=config.remat,
+            rolled=None if config.rolled else False,
+            sample_input=sample_x[: config.batch_size // num_microbatches],
+            cost_cache=partition_cost_cache(config),
+        )
+    if config.partition.startswith("layers:"):
+        raise ValueError(
+            "Reference models are cut between blocks; use --partition=manual:B1,B2 (block "
+            f"indices). Received: --partition={config.partition}"
+        )
+    blocks = source.blocks()
+    boundaries, seconds = _split_and_seconds(
+        config,
+        blocks,
+        config.num_stages * chunks,
+        num_microbatches,
+        sample_x[: config.batch_size // num_microbatches],
+        config.schedule if pipelined else "1f1b",
+    )
+    model = PipelineModel(
+        stages_from_blocks(blocks, boundaries),
+        devices,
+        num_microbatches,
+        schedule,
+        remat=config.remat,
+        rolled=None if config.rolled else False,
+    )
+    if seconds is not None:
+        setattr(model, MEASURED_SECONDS_ATTRIBUTE, seconds)
+    return model

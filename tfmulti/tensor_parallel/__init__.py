@@ -1,0 +1,1 @@
+"""Tensor parallelism: Megatron-style split layers, their plain-Keras export and traffic."""
