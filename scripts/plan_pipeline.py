@@ -20,13 +20,14 @@ or, per stage (p entries, or p·v entries for the chunked stages themselves):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import sys
 
 from absl import app, flags
 
-from tfmulti.flags.help import install_help_flags
+from tfmulti.flags.parsing import parse_flags_or_exit
 from tfmulti.pipeline import (
     SCHEDULE_NAMES,
     CostModel,
@@ -287,13 +288,5 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
-def _parse_flags_or_fail(argv):
-    install_help_flags(__doc__, title="plan")
-    try:
-        return FLAGS(argv)
-    except flags.Error as error:
-        _fail(str(error).replace("\n", " "))
-
-
 if __name__ == "__main__":
-    app.run(main, flags_parser=_parse_flags_or_fail)
+    app.run(main, flags_parser=functools.partial(parse_flags_or_exit, usage=__doc__, title="plan"))

@@ -5,11 +5,12 @@ Usage:
         -- python scripts/train.py --strategy=multi_worker --model_dir=/tmp/run
 """
 
+import functools
 import sys
 
 from absl import app, flags
 
-from tfmulti.flags.help import install_help_flags
+from tfmulti.flags.parsing import parse_flags_or_exit
 from tfmulti.platform import launcher
 
 FLAGS = flags.FLAGS
@@ -33,16 +34,6 @@ flags.register_validator(
 )
 
 
-def parse_flags_or_exit(argv: list[str]) -> list[str]:
-    """Parses flags; a bad flag is reported in one line, without a traceback."""
-    install_help_flags(__doc__, __name__, title="launcher")
-    try:
-        return FLAGS(argv)
-    except flags.Error as error:
-        sys.stderr.write(f"launch: {error}\n")
-        sys.exit(2)
-
-
 def _launch(argv: list[str]) -> None:
     command = argv[1:]
     if not command:
@@ -64,4 +55,7 @@ def _launch(argv: list[str]) -> None:
 
 def main() -> None:
     """Launches the workers from the command line's flags (the `tfmulti-launch` command)."""
-    app.run(_launch, flags_parser=parse_flags_or_exit)
+    parser = functools.partial(
+        parse_flags_or_exit, usage=__doc__, module=__name__, title="launcher"
+    )
+    app.run(_launch, flags_parser=parser)

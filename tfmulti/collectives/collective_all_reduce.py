@@ -29,10 +29,11 @@ from collections.abc import Sequence
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops, gen_resource_variable_ops
 
+from tfmulti.collectives.key_ranges import TENSOR_GROUP_KEYS_START
 from tfmulti.collectives.multi_device_op import multi_device_op, zeros_where_missing
+from tfmulti.platform.devices import canonical_device_name, device_key
 
-# Far above tf.distribute's keys (from 1) and tfmulti's cross-worker groups (from 2**20).
-_KEY_BASE = 1 << 24
+_KEY_BASE = TENSOR_GROUP_KEYS_START
 _GROUPS_PER_TASK_BITS = 12
 # A collective whose peers do not arrive within this fails instead of hanging.
 DEFAULT_TIMEOUT_SECONDS = 600.0
@@ -62,7 +63,7 @@ class _Keys:
     def group_key(self, devices: Sequence[str]) -> int:
         """The same key for the same devices; each worker (task) keys its groups in a range
         of its own, as every worker numbers its local groups from 0."""
-        members = tuple(sorted(_canonical(device) for device in devices))
+        members = tuple(sorted(canonical_device_name(device) for device in devices))
         task = tf.DeviceSpec.from_string(devices[0]).task or 0
         with self._lock:
             if members not in self._groups:
@@ -76,7 +77,7 @@ class _Keys:
 
     def ordering_token(self, device: str) -> tf.Tensor:
         """A resource handle on `device`, made once outside any traced function."""
-        name = _canonical(device)
+        name = canonical_device_name(device)
         with self._lock:
             if name not in self._tokens:
                 # A bare handle, not a variable: a distribution strategy's scope would
@@ -91,10 +92,6 @@ class _Keys:
 _KEYS = _Keys()
 
 
-def _canonical(device: str) -> str:
-    return tf.DeviceSpec.from_string(device).to_string()
-
-
 def communication_hint(devices: Sequence[str]) -> str:
     """The collective implementation for a group: "nccl" if all its devices are GPUs, else "ring".
 
@@ -102,7 +99,7 @@ def communication_hint(devices: Sequence[str]) -> str:
         >>> communication_hint(["/device:CPU:0", "/device:CPU:1"])
         'ring'
     """
-    types = {(tf.DeviceSpec.from_string(d).device_type or "CPU").upper() for d in devices}
+    types = {device_key(d)[0] or "CPU" for d in devices}
     return "nccl" if types == {"GPU"} else "ring"
 
 

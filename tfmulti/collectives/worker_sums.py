@@ -14,10 +14,9 @@ from collections.abc import Sequence
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
+from tfmulti.collectives.key_ranges import WORKER_SUM_KEYS
 from tfmulti.platform.cluster import COMMUNICATIONS
 
-# Far above the group keys MultiWorkerMirroredStrategy hands out (from 1 upwards).
-_GROUP_KEY_BASE = 1 << 20
 _DEVICE_TYPE_OFFSET = {"CPU": 0, "GPU": 1 << 16}
 
 
@@ -28,7 +27,7 @@ def _group_key(device: str) -> int:
         raise ValueError(
             f"Cross-worker sums run on CPU or GPU devices. Received: device={device!r}"
         )
-    return _GROUP_KEY_BASE + _DEVICE_TYPE_OFFSET[device_type] + (spec.device_index or 0)
+    return WORKER_SUM_KEYS.start + _DEVICE_TYPE_OFFSET[device_type] + (spec.device_index or 0)
 
 
 class WorkerCollectives:

@@ -23,7 +23,8 @@ def parse_flags_or_exit(
     try:
         return flags.FLAGS(argv)
     except flags.Error as error:
-        print(f"{os.path.basename(argv[0])}: error: {error}", file=sys.stderr)
+        message = str(error).replace("\n", " ")
+        print(f"{os.path.basename(argv[0])}: error: {message}", file=sys.stderr)
         sys.exit(2)
 
 

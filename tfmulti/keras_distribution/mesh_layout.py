@@ -6,7 +6,8 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
-import tensorflow as tf
+
+from tfmulti.platform.devices import short_device_name
 
 
 class LayoutNotHonouredWarning(UserWarning):
@@ -45,8 +46,7 @@ def tensorflow_device_name(device: str) -> str:
     """
     text = str(device)
     if "/" in text:
-        spec = tf.DeviceSpec.from_string(text)
-        return f"/device:{spec.device_type}:{spec.device_index or 0}"
+        return short_device_name(text)
     device_type, _, index = text.rpartition(":")
     if not device_type or not index.isdigit():
         raise ValueError(

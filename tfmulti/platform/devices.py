@@ -105,7 +105,19 @@ def variable_device(variable) -> str:
     return storage.device if isinstance(storage, tf.Variable) else variable.device
 
 
+def device_key(device: str) -> tuple[str, int]:
+    """(device type, index) of any spelling of a device name, e.g. ("CPU", 1) for
+    "/job:worker/task:0/device:cpu:1"; job, replica and task are ignored."""
+    spec = tf.DeviceSpec.from_string(device)
+    return (spec.device_type or "").upper(), spec.device_index or 0
+
+
+def canonical_device_name(device: str) -> str:
+    """The one spelling TensorFlow gives `device`, job and task included when named."""
+    return tf.DeviceSpec.from_string(device).to_string()
+
+
 def short_device_name(device: str) -> str:
     """`/job:worker/replica:0/task:0/device:CPU:1` as `/device:CPU:1`."""
-    spec = tf.DeviceSpec.from_string(device)
-    return f"/device:{spec.device_type}:{spec.device_index}"
+    device_type, index = device_key(device)
+    return f"/device:{device_type}:{index}"

@@ -9,13 +9,12 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfmulti.platform.devices import variable_device
+from tfmulti.platform.devices import device_key, variable_device
 
 
 def same_device(first: str, second: str) -> bool:
     """Whether two device names name the same device type and index."""
-    first, second = tf.DeviceSpec.from_string(first), tf.DeviceSpec.from_string(second)
-    return (first.device_type, first.device_index) == (second.device_type, second.device_index)
+    return device_key(first) == device_key(second)
 
 
 def move_variable(variable: keras.Variable, device: str) -> None:

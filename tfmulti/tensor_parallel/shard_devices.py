@@ -4,18 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import tensorflow as tf
-
-from tfmulti.platform.devices import first_logical_devices, logical_device_names
-
-
-def device_key(device: str) -> tuple[str, int]:
-    """Returns (device type, index) of a device name, e.g. ("CPU", 1) for "/device:CPU:1".
-
-    Job, replica and task are ignored: tensor-parallel layers live on one host.
-    """
-    spec = tf.DeviceSpec.from_string(device)
-    return (spec.device_type or "").upper(), spec.device_index or 0
+from tfmulti.platform.devices import device_key, first_logical_devices, logical_device_names
 
 
 def resolve_shard_devices(
