@@ -1,7 +1,7 @@
-"""Every shell command that README.md, BUILD.md and docs/*.md show runs, at its smallest size.
+"""Every shell command that README.md, BUILD.md and docs/**/*.md show runs, at its smallest size.
 
 Commands come from fenced ```bash blocks, and from untagged blocks that hold only commands
-(docs/pipeline_schedules.md). Each block runs in a fresh directory, its commands in order
+(docs/guide/pipeline_schedules.md). Each block runs in a fresh directory, its commands in order
 (a later one may read what an earlier one wrote), with these rewrites:
 - `python`, `.venv/bin/python` and `tfmulti-*` are this environment's; `scripts/` is the
   checkout's; a `VAR=value` prefix goes into the environment;
@@ -23,6 +23,7 @@ the other run has every flag of the shrunk command.
 
 import glob
 import os
+import pathlib
 import re
 import shlex
 import subprocess
@@ -32,7 +33,13 @@ import pytest
 from script_runner import REPO_ROOT, read_metrics, script_environment
 from test_every_script_runs import RUNS, SMALLEST, assert_valid_png, json_values
 
-DOCUMENTS = ("README.md", "BUILD.md", "docs/pipeline_schedules.md", "docs/planner.md")
+DOCUMENTS = (
+    "README.md",
+    "BUILD.md",
+    *sorted(
+        str(path.relative_to(REPO_ROOT)) for path in pathlib.Path(REPO_ROOT, "docs").rglob("*.md")
+    ),
+)
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 COMMAND_START = ("make ", "python", ".venv/bin/", "tfmulti-", "PYTHONPATH=")
 
@@ -49,7 +56,7 @@ EXCLUDED = {
     ".venv/bin/python scripts/plan.py --model=transformer --model_option=num_layers=6 "
     "--devices=8 [--memory_per_device=2GiB] [--global_batch=64] [--costs=FILE | "
     "--save_costs=FILE] [--json]": "a synopsis ([optional] parts), not a command; "
-    "docs/planner.md's commands run each form",
+    "docs/guide/hybrid_and_planner.md's commands run each form",
 }
 # A command whose shrunk run equals an earlier one's: it runs once, as the earlier one.
 SAME_RUN = {
@@ -101,7 +108,11 @@ def load():
 
 
 def _blocks() -> list[tuple[str, list[str]]]:
-    """(document:line, [command, ...]) of every fenced block of commands, in order."""
+    """(document: first command, [command, ...]) of every fenced block of commands, in order.
+
+    A block is named by its document and the start of its first command, not by its line,
+    so a test's id does not change when text above the block moves.
+    """
     blocks = []
     for document in DOCUMENTS:
         with open(os.path.join(REPO_ROOT, document)) as handle:
@@ -116,7 +127,7 @@ def _blocks() -> list[tuple[str, list[str]]]:
                 and all(c.startswith(COMMAND_START) for c in commands)
             )
             if is_shell:
-                blocks.append((f"{document}:{text[: fence.start()].count(chr(10)) + 1}", commands))
+                blocks.append((f"{document}: {commands[0][:60]}", commands))
     return blocks
 
 
