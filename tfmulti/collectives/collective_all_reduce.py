@@ -27,10 +27,10 @@ import threading
 from collections.abc import Sequence
 
 import tensorflow as tf
-from tensorflow.python.ops import collective_ops, gen_resource_variable_ops
 
 from tfmulti.collectives.key_ranges import TENSOR_GROUP_KEYS_START
 from tfmulti.collectives.multi_device_op import multi_device_op, zeros_where_missing
+from tfmulti.compat import tf_internals
 from tfmulti.platform.devices import canonical_device_name, device_key
 
 _KEY_BASE = TENSOR_GROUP_KEYS_START
@@ -83,7 +83,7 @@ class _Keys:
                 # A bare handle, not a variable: a distribution strategy's scope would
                 # turn a variable into a mirrored one on the strategy's devices.
                 with tf.init_scope(), tf.device(name):
-                    self._tokens[name] = gen_resource_variable_ops.var_handle_op(
+                    self._tokens[name] = tf.raw_ops.VarHandleOp(
                         dtype=tf.float32, shape=[], shared_name=f"tfmulti_collective_order{name}"
                     )
             return self._tokens[name]
@@ -133,7 +133,7 @@ def _collective_sums(tensors: Sequence[tf.Tensor], devices: Sequence[str]) -> li
     for device, tensor in zip(devices, tensors, strict=True):
         with tf.device(device):
             collectives.append(
-                collective_ops.all_reduce_v2(
+                tf_internals.all_reduce_v2(
                     tensor,
                     group_size=len(devices),
                     group_key=group_key,

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import tensorflow as tf
-from tensorflow.python.eager import record
+
+from tfmulti.compat import tf_internals
 
 
 def multi_device_op(
@@ -35,10 +36,10 @@ def multi_device_op(
         >>> copies = multi_device_op("copy", copy_to_each_device, sum_on_first, [x])
     """
     inputs = list(inputs)
-    with record.stop_recording():
+    with tf_internals.stop_recording():
         outputs = list(forward(inputs))
     differentiable = [tensor for tensor in inputs if tensor.dtype.is_floating]
-    if not differentiable or not record.should_record_backprop(differentiable):
+    if not differentiable or not tf_internals.should_record_backprop(differentiable):
         return outputs
 
     def recorded_backward(*output_gradients):
@@ -49,7 +50,7 @@ def multi_device_op(
             if tensor.dtype.is_floating
         ]
 
-    record.record_operation(name, outputs, differentiable, recorded_backward)
+    tf_internals.record_operation(name, outputs, differentiable, recorded_backward)
     return outputs
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import tensorflow as tf
-from tensorflow.python.ops import collective_ops
 
 from tfmulti.collectives.key_ranges import WORKER_SUM_KEYS
+from tfmulti.compat import tf_internals
 from tfmulti.platform.cluster import COMMUNICATIONS
 
 _DEVICE_TYPE_OFFSET = {"CPU": 0, "GPU": 1 << 16}
@@ -96,7 +96,7 @@ class WorkerCollectives:
         for tensor, device, key in zip(tensors, devices, keys, strict=True):
             group_key = _group_key(device)
             with tf.device(device), tf.control_dependencies(previous.get(group_key, [])):
-                total = collective_ops.all_reduce_v2(
+                total = tf_internals.all_reduce_v2(
                     tf.identity(tensor),
                     group_size=self.num_workers,
                     group_key=group_key,

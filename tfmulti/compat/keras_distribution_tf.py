@@ -25,7 +25,6 @@ import keras
 import keras.distribution as public_distribution
 import tensorflow as tf
 from keras.src.backend.common import variables as common_variables
-from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.tensorflow import distribution_lib as tensorflow_distribution_lib
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
@@ -158,16 +157,6 @@ def _steps_split_by_mesh_rows(attribute: str) -> Callable:
     return patch
 
 
-def keras_mask(tensor):
-    """The Keras mask a layer attached to `tensor`, or None."""
-    return get_keras_mask(tensor)
-
-
-def attach_keras_mask(tensor, mask) -> None:
-    """Attaches `mask` to `tensor` as Keras layers do."""
-    set_keras_mask(tensor, mask)
-
-
 def _checked_patch(name: str, owner, attribute: str, make_replacement: Callable) -> Fix:
     return Fix(name, owner, attribute, make_replacement, FIRST_CHECKED_KERAS, FIRST_UNCHECKED_KERAS)
 
@@ -262,11 +251,6 @@ def install_sharded_call(layer: keras.layers.Layer, call: Callable, views: list)
     object.__setattr__(layer, "call", call)
     object.__setattr__(layer, "sharded_weights", views)
     object.__setattr__(layer, "supports_jit", False)
-
-
-def layers_within(model: keras.layers.Layer) -> list:
-    """`model` and every layer nested in it (Keras' own walk; there is no public one)."""
-    return list(model._flatten_layers(include_self=True, recursive=True))
 
 
 def own_variables(layer: keras.layers.Layer) -> list:

@@ -15,8 +15,8 @@ import dataclasses
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.backend import get_keras_mask
-from keras.src.models.functional import Functional
+
+from tfmulti.compat import keras_internals
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,7 @@ def functional_view(model: keras.Model) -> keras.Model:
                 f"Sequential model {model.name!r} has no known input shape, so it has no graph "
                 "to cut; start it with keras.Input(shape) or call it on data first."
             ) from error
-    if not hasattr(model, "_nodes_by_depth"):
+    if not keras_internals.is_functional(model):
         raise ValueError(
             "Only a functional model has a graph to walk; a subclassed model has none. "
             f"Received: {type(model).__name__} {model.name!r}; build it with "
@@ -109,14 +109,15 @@ def call_graph(model: keras.Model, open_nested: bool = False) -> CallGraph:
             output
             for node in nodes
             for output, tensor in zip(node.output_keys, node.node.outputs, strict=True)
-            if get_keras_mask(tensor) is not None
+            if keras_internals.keras_mask(tensor) is not None
         ),
     )
 
 
 def _walk(model, prefix, open_nested, aliases, nodes) -> None:
-    for depth in sorted(model._nodes_by_depth, reverse=True):
-        for node in model._nodes_by_depth[depth]:
+    by_depth = keras_internals.nodes_by_depth(model)
+    for depth in sorted(by_depth, reverse=True):
+        for node in by_depth[depth]:
             if node.is_input:
                 continue
             operation = node.operation
@@ -143,19 +144,16 @@ def _walk(model, prefix, open_nested, aliases, nodes) -> None:
             )
 
 
-def _openable(operation, node) -> tuple[Functional, list] | None:
+def _openable(operation, node) -> tuple[keras.Model, list] | None:
     """The functional graph to open in place of `node` and its flat inputs, or None."""
-    if isinstance(operation, keras.Sequential):
-        inner, own_call = operation._functional, keras.Sequential.call
-    else:
-        inner, own_call = operation, Functional.call
-    if not isinstance(inner, Functional) or type(operation).call is not own_call:
+    inner = keras_internals.graph_run_by(operation)
+    if inner is None:
         return None
     args = node.arguments.args
     if len(args) != 1 or len(node.input_tensors) != len(inner.inputs):
         return None
     argument = args[0]
-    if isinstance(argument, dict) and not isinstance(inner._inputs_struct, dict):
+    if isinstance(argument, dict) and not isinstance(keras_internals.inputs_structure(inner), dict):
         flat = [argument.get(reference.name) for reference in inner.inputs]
     else:
         flat = keras.tree.flatten(argument)

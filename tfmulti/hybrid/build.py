@@ -8,9 +8,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import keras
 import tensorflow as tf
-from keras.src.models.functional import Functional
 
 from tfmulti.collectives.worker_sums import WorkerCollectives
+from tfmulti.compat import keras_internals
 from tfmulti.costing.cost_cache import CostCache
 from tfmulti.hybrid.hybrid_model import HybridPipelineModel
 from tfmulti.pipeline.runtime.pipeline_model import PipelineModel
@@ -249,7 +249,7 @@ def copy_model(model: keras.Model) -> keras.Model:
     Functional models and Sequentials are cloned layer by layer; other models (KerasHub
     tasks) are rebuilt from their config.
     """
-    if type(model) in (Functional, keras.Sequential):
+    if keras_internals.is_plain_functional(model) or type(model) is keras.Sequential:
         return keras.models.clone_model(model)
     return type(model).from_config(model.get_config())
 

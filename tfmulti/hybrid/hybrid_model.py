@@ -6,10 +6,9 @@ from collections.abc import Callable, Sequence
 
 import keras
 import tensorflow as tf
-from keras.src.losses import loss as loss_module
-from keras.src.trainers.data_adapters import data_adapter_utils
 
 from tfmulti.collectives.worker_sums import WorkerCollectives
+from tfmulti.compat import keras_internals
 from tfmulti.compat.keras_whole_weights import variables_holding
 from tfmulti.pipeline.actions import Schedule
 from tfmulti.pipeline.runtime.executor import add_gradients
@@ -168,7 +167,7 @@ class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, keras.Model):
         )
 
     def train_step(self, data):
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self._build_replicas(x)
         sizes = microbatch_sizes(x, len(self.replicas))
         # A replica left without rows runs on a padding row that counts for nothing.
@@ -186,9 +185,7 @@ class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, keras.Model):
         ]
         gradients = self._summed_gradients(results)
         loss = self._summed_loss(results)
-        self._loss_tracker.update_state(
-            loss_module.unscale_loss_for_distribution(loss), sample_weight=totals.rows
-        )
+        keras_internals.track_loss(self, loss, sample_weight=totals.rows)
         self.optimizer.apply_gradients(
             (gradient, variable)
             for replica in self.replicas

@@ -21,12 +21,12 @@ from tfmulti.collectives.device_compute import run_on_device
 from tfmulti.collectives.placed_steps import fan_out, gather, reduce_partial_sums
 from tfmulti.compat.keras_distribution_tf import (
     install_sharded_call,
-    layers_within,
     load_in_unsplit_layout,
     own_variables,
     store_weight,
     stored_weight,
 )
+from tfmulti.compat.keras_internals import layers_within
 from tfmulti.keras_distribution.mesh_layout import (
     LayoutNotHonouredWarning,
     ShardPlan,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
-from tfmulti.compat import keras_distribution_tf
+from tfmulti.compat import keras_internals
 from tfmulti.keras_distribution.mesh_layout import LayoutNotHonouredWarning
 from tfmulti.keras_distribution.mesh_rows import call_by_rows, mesh_rows_of
 
@@ -26,9 +26,9 @@ def _join_rows(outputs: list):
 
     def join(*parts):
         joined = tf.concat(parts, 0)
-        masks = [keras_distribution_tf.keras_mask(part) for part in parts]
+        masks = [keras_internals.keras_mask(part) for part in parts]
         if all(mask is not None for mask in masks):
-            keras_distribution_tf.attach_keras_mask(joined, tf.concat(masks, 0))
+            keras_internals.attach_keras_mask(joined, tf.concat(masks, 0))
         return joined
 
     return tf.nest.map_structure(join, *outputs)
@@ -59,7 +59,7 @@ class _RowSplitCalls:
             splitter = cls()
             object.__setattr__(model, "_tfmulti_row_split_calls", splitter)
         splitter.rows = rows
-        for layer in keras_distribution_tf.layers_within(model):
+        for layer in keras_internals.layers_within(model):
             if getattr(layer.__dict__.get("call"), _ROW_SPLITTER, None) is not splitter:
                 wrapper = splitter._wrap(layer, layer.call, check_batch=layer is not model)
                 object.__setattr__(layer, "call", wrapper)
@@ -110,7 +110,7 @@ def split_step_over_rows(model: keras.Model, function: Callable, attribute: str)
     Only for a model whose layers were built (or `shard`ed) for a mesh whose batch axis
     has several rows; any other model gets `function` back unchanged.
     """
-    rows = mesh_rows_of(keras_distribution_tf.layers_within(model))
+    rows = mesh_rows_of(keras_internals.layers_within(model))
     if rows is None:
         return function
     splitter = _RowSplitCalls.of(model, rows)

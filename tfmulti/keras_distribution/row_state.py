@@ -23,6 +23,8 @@ import contextlib
 import keras
 import tensorflow as tf
 
+from tfmulti.compat import keras_internals
+
 
 class RowState:
     """Collects the updates and losses of each row's call of `layer` (a built model)."""
@@ -83,7 +85,9 @@ class RowState:
                 f"every part of the batch. Received counts {sorted(counts)}"
             )
         owners = {
-            loss_id: layer for layer in self._layer._flatten_layers() for loss_id in layer._loss_ids
+            loss_id: layer
+            for layer in keras_internals.layers_within(self._layer)
+            for loss_id in keras_internals.loss_ids(layer)
         }
         first_row_losses = self._rows[0][2]
         for index, first in enumerate(first_row_losses):

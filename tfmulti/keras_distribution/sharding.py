@@ -19,7 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmulti.compat import keras_distribution_tf
+from tfmulti.compat import keras_distribution_tf, keras_internals
 from tfmulti.keras_distribution.layer_sharding import shard_layer
 from tfmulti.keras_distribution.mesh_layout import check_model_axes, mesh_device_names
 from tfmulti.keras_distribution.mesh_rows import MeshRows, mark_mesh_rows
@@ -105,7 +105,7 @@ def shard(
         return layout_map[variable.path]
 
     sharded = False
-    for layer in keras_distribution_tf.layers_within(model):
+    for layer in keras_internals.layers_within(model):
         sharded = shard_layer(layer, layout_of, device_mesh, batch_dim_name) or sharded
     if sharded or rows.num_rows > 1:
         # Traced steps read the whole weights; retrace, and without XLA (one device only).

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 import keras
 import tensorflow as tf
 
+from tfmulti.compat.keras_internals import OperationWrappingFunctional
 from tfmulti.costing.cost_cache import CostCache, as_cost_cache
 from tfmulti.costing.model_graph import functional_view
 from tfmulti.pipeline.stages.spec_sample import sample_from_input_specs
@@ -40,7 +41,7 @@ _SCOPE_PREFIX = "tfmulti_device_"
 _SCOPE_PATTERN = re.compile(_SCOPE_PREFIX + r"(\d+)(?:_\d+)*/")
 
 
-class PlacedModel(WrappedModel, keras.Model):
+class PlacedModel(WrappedModel, OperationWrappingFunctional, keras.Model):
     """A functional model whose units run, and keep variables and optimizer state, on devices.
 
     Shares its layers (and so its weights and weight-file layout) with the model it was
@@ -113,12 +114,9 @@ class PlacedModel(WrappedModel, keras.Model):
         scopes = _SCOPE_PATTERN.findall(op.name)
         return self.devices[int(scopes[-1])] if scopes else ""
 
-    def _run_through_graph(self, inputs, operation_fn=lambda op: op, call_fn=None):
-        return super()._run_through_graph(
-            inputs, lambda op: self._on_device(op, operation_fn(op)), call_fn
-        )
-
-    def _on_device(self, operation, function: Callable) -> Callable:
+    def wrap_operation(self, operation, function: Callable) -> Callable:
+        """`function` (a call of `operation`) run on its unit's device, in a name scope
+        that its gradient ops inherit."""
         # Keras runs the graph once while constructing the model, before devices are set.
         index = getattr(self, "unit_devices", {}).get(operation.name)
         if index is None:

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import keras
 import tensorflow as tf
 
+from tfmulti.compat import keras_internals
+
 # Reused so placement and pipeline partitions time blocks the same way.
 from tfmulti.costing.cost_cache import CostCache
 from tfmulti.costing.model_graph import (
@@ -144,6 +146,8 @@ def _record_calls(model, sample_input) -> dict[str, list[RecordedCall]]:
 
         return call
 
-    inputs = [tf.convert_to_tensor(x) for x in model._standardize_inputs(sample_input)]
-    model._run_through_graph(inputs, operation_fn=recording)
+    inputs = [
+        tf.convert_to_tensor(x) for x in keras_internals.standardize_inputs(model, sample_input)
+    ]
+    keras_internals.run_through_graph(model, inputs, operation_fn=recording)
     return calls

@@ -161,7 +161,7 @@ def _from_tf_config(text: str) -> ClusterInfo:
 
 
 def _from_slurm(environ: Mapping[str, str]) -> ClusterInfo:
-    from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver
+    import tensorflow as tf
 
     saved_environ = dict(os.environ)
     os.environ.update(environ)
@@ -169,7 +169,7 @@ def _from_slurm(environ: Mapping[str, str]) -> ClusterInfo:
         # GPUs are left to SLURM (--gpus-per-task sets CUDA_VISIBLE_DEVICES). The
         # resolver pairs each task with a GPU slot and fails with zero GPUs, so it is
         # given one dummy slot per task and told not to set CUDA_VISIBLE_DEVICES.
-        resolver = slurm_cluster_resolver.SlurmClusterResolver(
+        resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(
             port_base=int(environ.get("TFMULTI_SLURM_PORT_BASE", _DEFAULT_SLURM_PORT)),
             gpus_per_node=1024,
             gpus_per_task=1,
@@ -288,7 +288,8 @@ def _start_join_watchdog(cluster: ClusterInfo, timeout_seconds: float | None):
 
 def _new_strategy(resolver, options):
     import tensorflow as tf
-    from tensorflow.python.distribute import collective_all_reduce_strategy as collective
+
+    from tfmulti.compat import tf_internals
 
     cpu = tf.config.list_physical_devices("CPU")[0]
     num_logical_cpus = len(tf.config.get_logical_device_configuration(cpu) or [cpu])
@@ -297,19 +298,9 @@ def _new_strategy(resolver, options):
             cluster_resolver=resolver, communication_options=options
         )
 
-    # Without GPUs the strategy uses only CPU:0 of each worker; this subclass gives
-    # it every logical CPU device, so a worker can hold several replicas.
-    class LogicalCpuExtended(collective.CollectiveAllReduceExtended):
-        def _initialize_local_devices(self, cluster_resolver, worker_device):
-            devices = tuple(f"{worker_device}/device:CPU:{i}" for i in range(num_logical_cpus))
-            return devices, "CPU"
-
-    strategy_class = tf.distribute.MultiWorkerMirroredStrategy
-    strategy = strategy_class.__new__(strategy_class)
-    super(strategy_class, strategy).__init__(
-        LogicalCpuExtended(strategy, cluster_resolver=resolver, communication_options=options)
-    )
-    return strategy
+    # Without GPUs the strategy uses only CPU:0 of each worker; this one uses every
+    # logical CPU device, so a worker can hold several replicas.
+    return tf_internals.multi_worker_strategy_on_logical_cpus(resolver, options, num_logical_cpus)
 
 
 def worker_output_dir(model_dir: str, cluster: ClusterInfo) -> str:

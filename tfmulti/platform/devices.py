@@ -99,10 +99,13 @@ def variable_device(variable) -> str:
     Not `variable.value.device`: under a mixed-precision policy, reading `value` inside a
     layer's call gives a float16 copy made on the current device.
     """
-    # Keras keeps the tf.Variable in `_value`; its public `value` and `handle` go through
-    # the autocast, so they cannot say where the storage is.
-    storage = getattr(variable, "_value", None)
-    return storage.device if isinstance(storage, tf.Variable) else variable.device
+    # Imported here: Keras loads only where a Keras variable may be asked about.
+    from tfmulti.compat.keras_internals import variable_storage
+
+    # A Keras variable's public `value` and `handle` go through the autocast, so they
+    # cannot say where the storage is.
+    storage = variable_storage(variable)
+    return storage.device if storage is not None else variable.device
 
 
 def device_key(device: str) -> tuple[str, int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tfmulti.compat.keras_internals import reinitialize_variable
 from tfmulti.platform.devices import device_key, variable_device
 
 
@@ -28,4 +29,4 @@ def move_variable(variable: keras.Variable, device: str) -> None:
     # Keras re-creates the backing tf.Variable from a value: under this device scope it
     # lands on `device`.
     with tf.init_scope(), tf.device(device):
-        variable._initialize(tf.identity(variable.value))
+        reinitialize_variable(variable, tf.identity(variable.value))

@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfmulti.compat import keras_internals
 from tfmulti.config import TrainConfig
 from tfmulti.data import DataInfo
 from tfmulti.platform.cluster import ClusterInfo
@@ -63,7 +64,7 @@ def choose_optimizer(
             "Optimizer: %s, learning rate %s, as --model=%s compiled it (--optimizer, "
             "--learning_rate, --lr_schedule or --warmup_steps would replace it).",
             type(inner).__name__,
-            describe_learning_rate(inner._learning_rate),
+            describe_learning_rate(keras_internals.learning_rate_setting(inner)),
             config.model,
         )
         return compiled
@@ -73,7 +74,7 @@ def choose_optimizer(
     logging.info(
         "Optimizer: %s, learning rate %s.",
         type(optimizer).__name__,
-        describe_learning_rate(optimizer._learning_rate),
+        describe_learning_rate(keras_internals.learning_rate_setting(optimizer)),
     )
     return optimizer
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import keras
 
+from tfmulti.compat import keras_internals
 from tfmulti.config import TrainConfig
 from tfmulti.data import DataInfo
 from tfmulti.models import registry
@@ -194,10 +195,11 @@ def _copy_optimizer(reference: str, optimizer: keras.optimizers.Optimizer):
     """`optimizer` re-created from its config; its own classes are passed to Keras so that a
     user's optimizer or schedule need not be registered to be copied."""
     optimizers = [optimizer, getattr(optimizer, "inner_optimizer", optimizer)]
+    settings = [keras_internals.learning_rate_setting(part) for part in optimizers]
     schedules = [
-        part._learning_rate
-        for part in optimizers
-        if isinstance(part._learning_rate, keras.optimizers.schedules.LearningRateSchedule)
+        setting
+        for setting in settings
+        if isinstance(setting, keras.optimizers.schedules.LearningRateSchedule)
     ]
     custom_objects = {type(part).__name__: type(part) for part in optimizers + schedules}
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import keras
 
+from tfmulti.compat import keras_internals
 from tfmulti.tensor_parallel.sharded_layer import TensorParallelLayer, unsplit_weights
 
 # Split layers whose whole computation is one plain Keras layer, with the config keys
@@ -33,10 +34,9 @@ _SPLIT_CLASS_NAMES = ("ParallelMLP", "ParallelSelfAttention", *_PLAIN_TWINS)
 
 def has_tensor_parallel_layers(model: keras.Model) -> bool:
     """Whether any layer of `model`, at any depth, is a tensor-parallel layer."""
-    # Keras's own walk over nested layers; there is no public one.
     return any(
         isinstance(layer, TensorParallelLayer)
-        for layer in model._flatten_layers(include_self=False, recursive=True)
+        for layer in keras_internals.layers_within(model, include_self=False)
     )
 
 

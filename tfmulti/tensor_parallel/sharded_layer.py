@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmulti.collectives.device_compute import run_on_device
-from tfmulti.compat import keras_whole_weights
+from tfmulti.compat import keras_internals, keras_whole_weights
 from tfmulti.platform.devices import variable_device
 from tfmulti.tensor_parallel.shard_devices import resolve_shard_devices
 from tfmulti.tensor_parallel.transfer_bytes import CommunicationBytes
@@ -26,15 +26,7 @@ def pin_deferred_initialization(variable: keras.Variable, device: str) -> keras.
     layer's shards would all land on the enclosing stage's device. An already created
     variable is left as it is.
     """
-    if getattr(variable, "_value", True) is not None:
-        return variable
-    initialize = variable._deferred_initialize
-
-    def initialize_on_device():
-        with tf.device(device):
-            initialize()
-
-    variable._deferred_initialize = initialize_on_device
+    keras_internals.initialize_deferred_on_device(variable, device)
     return variable
 
 

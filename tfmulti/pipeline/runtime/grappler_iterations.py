@@ -10,7 +10,8 @@ nodes, the same step time; see BUILD.md). `optimised_once(function)` makes every
 instantiation Grappler optimises, get that setting; a setting the user chose is kept.
 
 TensorFlow passes the options of a function call from the calling thread's
-`context.function_call_options`, which has no public setter; that use is kept here.
+`context.function_call_options`, which has no public setter
+(`tfmulti.compat.tf_internals.functions_called_with`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import functools
 from collections.abc import Callable, Iterator
 
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
-from tensorflow.python.eager import context
+
+from tfmulti.compat import tf_internals
 
 _ONE = rewriter_config_pb2.RewriterConfig.ONE
 _DEFAULT = rewriter_config_pb2.RewriterConfig.DEFAULT_NUM_ITERS
@@ -28,29 +30,21 @@ _DEFAULT = rewriter_config_pb2.RewriterConfig.DEFAULT_NUM_ITERS
 
 def call_config() -> config_pb2.ConfigProto:
     """The session config the calling thread passes to the functions it calls."""
-    options = context.context().function_call_options
-    return config_pb2.ConfigProto.FromString(options.config_proto_serialized)
+    return tf_internals.function_call_config()
 
 
 @contextlib.contextmanager
 def one_grappler_iteration() -> Iterator[None]:
     """Functions called (and traced) inside are optimised by one Grappler iteration,
     unless the thread's config already sets the number of iterations."""
-    ctx = context.context()
-    saved = ctx.function_call_options
     config = call_config()
     rewrite = config.graph_options.rewrite_options
     if rewrite.meta_optimizer_iterations != _DEFAULT:
         yield
         return
     rewrite.meta_optimizer_iterations = _ONE
-    ctx.function_call_options = context.FunctionCallOptions(
-        executor_type=saved.executor_type, config_proto=config
-    )
-    try:
+    with tf_internals.functions_called_with(config):
         yield
-    finally:
-        ctx.function_call_options = saved
 
 
 def optimised_once(function: Callable | None) -> Callable | None:

@@ -10,9 +10,8 @@ from collections.abc import Sequence
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.losses import loss as loss_module
-from keras.src.trainers.data_adapters import data_adapter_utils
 
+from tfmulti.compat import keras_internals
 from tfmulti.costing.cost_cache import CostCache, as_cost_cache
 from tfmulti.pipeline.actions import BACKWARD, WEIGHT_GRAD, Schedule
 from tfmulti.pipeline.dependencies import TimedAction
@@ -173,12 +172,10 @@ class PipelineModel(WrappedModel, OptimisedOnceSteps, keras.Model):
         return forward_microbatches(inputs, sizes, through_stages)
 
     def train_step(self, data):
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         result = self.run_schedule(x, y, sample_weight)
         loss = tf.add_n(result.losses)
-        self._loss_tracker.update_state(
-            loss_module.unscale_loss_for_distribution(loss), sample_weight=batch_rows(x)
-        )
+        keras_internals.track_loss(self, loss, sample_weight=batch_rows(x))
         self.optimizer.apply_gradients(zip(result.gradients, result.variables, strict=True))
         if self._tracing:
             self._stamp_holder.buffer.assign(
@@ -228,7 +225,8 @@ class PipelineModel(WrappedModel, OptimisedOnceSteps, keras.Model):
         weight_parts = MicrobatchParts(sample_weight, sizes)
 
         def microbatch_loss(microbatch, y_pred):
-            loss = loss_model._compute_loss(
+            loss = keras_internals.compute_loss(
+                loss_model,
                 x=x_parts[microbatch],
                 y=y_parts[microbatch],
                 y_pred=y_pred,

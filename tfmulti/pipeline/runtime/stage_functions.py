@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
+from tfmulti.compat import tf_internals
 from tfmulti.compat.keras_whole_weights import variables_holding
 from tfmulti.pipeline.stages.graph_cut import GraphCut, ops_between
 from tfmulti.platform.devices import variable_device
@@ -337,7 +338,7 @@ def _computed_from_weights(graph, forward_ops: set, weights) -> set:
     internal = {t.ref() for t in graph.internal_captures}
     steady_reads = {inside.ref() for outside, inside in graph.captures if id(outside) in handles}
     for op in forward_ops:
-        if op._is_stateful and op.type != "ReadVariableOp":
+        if tf_internals.is_stateful(op) and op.type != "ReadVariableOp":
             steady_reads -= {t.ref() for t in op.inputs if t.dtype == tf.resource}
     found = set()
     for op in graph.get_operations():  # in creation order: inputs come first
@@ -347,7 +348,9 @@ def _computed_from_weights(graph, forward_ops: set, weights) -> set:
             if op.inputs[0].ref() in steady_reads:
                 found.add(op)
             continue
-        if not op._is_stateful and all(t.ref() in internal or t.op in found for t in op.inputs):
+        if not tf_internals.is_stateful(op) and all(
+            t.ref() in internal or t.op in found for t in op.inputs
+        ):
             found.add(op)
     return found
 
@@ -362,7 +365,7 @@ def _unread_stateful_ops(forward_ops: set) -> list[tf.Operation]:
     return [
         op
         for op in forward_ops
-        if op._is_stateful
+        if tf_internals.is_stateful(op)
         and op.type not in ("Placeholder", "VarHandleOp", "ReadVariableOp")
         and not any(t.consumers() for t in op.outputs)
     ]

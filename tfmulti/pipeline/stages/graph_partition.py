@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import keras
 import tensorflow as tf
 
+from tfmulti.compat import keras_internals
 from tfmulti.costing.cost_cache import CostCache, block_signature
 from tfmulti.costing.model_graph import (
     CallGraph,
@@ -201,7 +202,9 @@ def _record_calls(model, graph, sample_input) -> list[RecordedCall]:
 
         return call
 
-    inputs = [tf.convert_to_tensor(x) for x in model._standardize_inputs(sample_input)]
+    inputs = [
+        tf.convert_to_tensor(x) for x in keras_internals.standardize_inputs(model, sample_input)
+    ]
     values = dict(zip(graph.input_keys, inputs, strict=True))
     run_calls(graph.nodes, values, training=True, wrap=recording)
     return calls
@@ -237,7 +240,8 @@ def _call_index(graph: CallGraph, name: str) -> int:
 def _holder_of(graph: CallGraph, name: str):
     for node in graph.nodes:
         if isinstance(node.operation, keras.layers.Layer) and any(
-            layer.name == name for layer in node.operation._flatten_layers(include_self=False)
+            layer.name == name
+            for layer in keras_internals.layers_within(node.operation, include_self=False)
         ):
             return node
     return None

@@ -13,9 +13,8 @@ import types
 from collections.abc import Callable, Sequence
 
 import keras
-from keras.src.backend import get_keras_mask, set_keras_mask
-from keras.src.models.functional import operation_fn, unpack_singleton
 
+from tfmulti.compat import keras_internals
 from tfmulti.costing.model_graph import CallGraph, CallNode
 
 
@@ -80,22 +79,23 @@ class GraphStage(keras.layers.Layer):
     def call(self, inputs, training=None):
         graph = self._graph
         if graph.input_keys is None:
-            flat = graph.model._standardize_inputs(inputs)
+            flat = keras_internals.standardize_inputs(graph.model, inputs)
             keys = [id(tensor) for tensor in graph.model.inputs]
         else:
             keys = graph.input_keys
             flat = list(inputs)[: len(keys)]
             masks = list(inputs)[len(keys) :]
             for key, mask in zip(_masked(keys, graph), masks, strict=True):
-                set_keras_mask(flat[keys.index(key)], mask)
+                keras_internals.attach_keras_mask(flat[keys.index(key)], mask)
         values = dict(zip(keys, flat, strict=True))
         run_calls(graph.nodes, values, training)
         if graph.output_keys is None:
             outputs = [values[id(tensor)] for tensor in graph.model.outputs]
-            return unpack_singleton(
-                keras.tree.pack_sequence_as(graph.model._outputs_struct, outputs)
-            )
-        masks = [get_keras_mask(values[key]) for key in _masked(graph.output_keys, graph)]
+            structure = keras_internals.outputs_structure(graph.model)
+            return keras_internals.unpack_singleton(keras.tree.pack_sequence_as(structure, outputs))
+        masks = [
+            keras_internals.keras_mask(values[key]) for key in _masked(graph.output_keys, graph)
+        ]
         return tuple(values[key] for key in graph.output_keys) + tuple(masks)
 
 
@@ -119,7 +119,7 @@ def run_calls(
             for argument, key in zip(node.argument_ids, node.input_keys, strict=True)
         }
         args, kwargs = node.node.arguments.fill_in(arguments)
-        function = operation_fn(node.operation, training=training)
+        function = keras_internals.operation_call(node.operation, training=training)
         if wrap is not None:
             function = wrap(index, function)
         outputs = function(*args, **kwargs)

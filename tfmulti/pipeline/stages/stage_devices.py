@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import keras
 import tensorflow as tf
 
+from tfmulti.compat import keras_internals
 from tfmulti.platform.devices import variable_device
 from tfmulti.platform.variable_moves import move_variable, same_device
 
@@ -86,7 +87,7 @@ def owned_variables(stages: Sequence[keras.layers.Layer]) -> list[list]:
     for stage in stages:
         self_placed = {
             id(v)
-            for layer in stage._flatten_layers()
+            for layer in keras_internals.layers_within(stage)
             if isinstance(layer, TensorParallelLayer)
             for v in layer.variables
         }

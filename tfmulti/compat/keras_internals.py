@@ -1,0 +1,227 @@
+"""Every private Keras attribute tfmulti reads, each behind a named function.
+
+Keras 3 has no public way to walk a model's nested layers, run a functional graph one
+operation at a time, or reach the loss a trainer tracks; tfmulti needs each of these,
+so each one is a small function here that says what it reaches and why. A function
+whose private attribute is gone fails with one line naming the Keras version
+(`MissingKerasInternal`); `tests/test_compat_internals.py` calls every function on a
+small real model, so an upstream change shows up there first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import keras
+import tensorflow as tf
+from keras.src.backend.common import masking
+from keras.src.losses import loss as keras_loss
+from keras.src.models import functional as keras_functional
+
+from tfmulti.compat.keras_multi_worker import keras_version
+
+# Checked on Keras 3.15.1 by tests/test_compat_internals.py; setup.py allows no newer Keras.
+# Raise after running that test on a newer one.
+FIRST_CHECKED_KERAS = (3, 10)
+FIRST_UNCHECKED_KERAS = (3, 16)
+
+
+class MissingKerasInternal(RuntimeError):
+    """A private Keras attribute tfmulti relies on is missing from the installed Keras."""
+
+
+def _private(owner, name: str, what: str):
+    """`owner.<name>`, or a `MissingKerasInternal` naming `what` and the installed Keras."""
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        raise MissingKerasInternal(
+            f"tfmulti needs Keras' private {what} (`{name}`), which Keras {keras.version()} "
+            f"lacks; tfmulti is checked on Keras {_release(FIRST_CHECKED_KERAS)} up to "
+            f"{_release(FIRST_UNCHECKED_KERAS)} (exclusive). Received: keras=={keras.version()}"
+        ) from None
+
+
+def _release(version: tuple[int, ...]) -> str:
+    return ".".join(str(number) for number in version)
+
+
+def is_checked_keras() -> bool:
+    """Whether the installed Keras is in the range these functions were checked on."""
+    return FIRST_CHECKED_KERAS <= keras_version() < FIRST_UNCHECKED_KERAS
+
+
+# Layers
+
+
+def layers_within(layer: keras.layers.Layer, include_self: bool = True) -> list:
+    """`layer` (unless `include_self` is False) and every layer nested in it, at any depth:
+    Keras' own walk (`Layer._flatten_layers`), which has no public counterpart."""
+    flatten = _private(layer, "_flatten_layers", "Layer._flatten_layers")
+    return list(flatten(include_self=include_self, recursive=True))
+
+
+def loss_ids(layer: keras.layers.Layer) -> set:
+    """`id` of each loss `layer` added inside the current loss-collecting stateless scope
+    (`Layer._loss_ids`), to find which nested layer added a loss."""
+    return set(_private(layer, "_loss_ids", "Layer._loss_ids"))
+
+
+def keras_mask(tensor):
+    """The Keras mask a layer attached to `tensor`, or None (Keras keeps it on the tensor)."""
+    return _private(masking, "get_keras_mask", "masking.get_keras_mask")(tensor)
+
+
+def attach_keras_mask(tensor, mask) -> None:
+    """Attaches `mask` to `tensor` as Keras layers do, so the next layer receives it."""
+    _private(masking, "set_keras_mask", "masking.set_keras_mask")(tensor, mask)
+
+
+# Variables
+
+
+def variable_storage(variable):
+    """The `tf.Variable` behind a Keras variable (`Variable._value`), else None: its public
+    `value` goes through autocasting, so it cannot say where the storage lives."""
+    storage = getattr(variable, "_value", None)
+    return storage if isinstance(storage, tf.Variable) else None
+
+
+def reinitialize_variable(variable: keras.Variable, value) -> None:
+    """Re-creates the `tf.Variable` behind `variable` from `value` (`Variable._initialize`),
+    under the caller's device scope; the Keras variable stays the same object."""
+    _private(variable, "_initialize", "Variable._initialize")(value)
+
+
+def initialize_deferred_on_device(variable: keras.Variable, device: str) -> None:
+    """Makes a Keras variable whose creation Keras deferred (built inside a symbolic call)
+    be created on `device` (`Variable._deferred_initialize`); a created one is left alone."""
+    if getattr(variable, "_value", True) is not None:
+        return
+    initialize = _private(variable, "_deferred_initialize", "Variable._deferred_initialize")
+
+    def initialize_on_device():
+        with tf.device(device):
+            initialize()
+
+    variable._deferred_initialize = initialize_on_device
+
+
+# Functional models
+
+
+def is_functional(model) -> bool:
+    """Whether `model` is a Keras functional model, subclasses included (Keras exports no
+    `Functional` class to test against)."""
+    return isinstance(model, _private(keras_functional, "Functional", "Functional"))
+
+
+def is_plain_functional(model) -> bool:
+    """Whether `model` was made by `keras.Model(inputs, outputs)` itself, not a subclass."""
+    return type(model) is _private(keras_functional, "Functional", "Functional")
+
+
+def graph_run_by(operation):
+    """The functional model whose graph `operation` runs through Keras' own `call` (itself,
+    or a Sequential's inner `_functional`), else None: such a call can be opened."""
+    functional_class = _private(keras_functional, "Functional", "Functional")
+    if isinstance(operation, keras.Sequential):
+        inner = _private(operation, "_functional", "Sequential._functional")
+        own_call = keras.Sequential.call
+    else:
+        inner, own_call = operation, functional_class.call
+    if not isinstance(inner, functional_class) or type(operation).call is not own_call:
+        return None
+    return inner
+
+
+def nodes_by_depth(model) -> dict:
+    """A functional model's graph nodes by depth (`Functional._nodes_by_depth`); the
+    deepest depth runs first."""
+    return _private(model, "_nodes_by_depth", "Functional._nodes_by_depth")
+
+
+def inputs_structure(model):
+    """The structure a functional model's inputs were given in (`_inputs_struct`): a
+    tensor, list or dict of `keras.Input`s."""
+    return _private(model, "_inputs_struct", "Functional._inputs_struct")
+
+
+def outputs_structure(model):
+    """The structure a functional model returns its outputs in (`_outputs_struct`)."""
+    return _private(model, "_outputs_struct", "Functional._outputs_struct")
+
+
+def standardize_inputs(model, inputs) -> list:
+    """`inputs` as the flat list a functional model's graph takes, matched by position or
+    name as `model(inputs)` matches them (`Functional._standardize_inputs`)."""
+    return _private(model, "_standardize_inputs", "Functional._standardize_inputs")(inputs)
+
+
+def operation_call(operation, training=None) -> Callable:
+    """A function that calls `operation` as a functional model does in its graph: with
+    `training` passed to operations that take it (`functional.operation_fn`)."""
+    make_call = _private(keras_functional, "operation_fn", "functional.operation_fn")
+    return make_call(operation, training=training)
+
+
+def unpack_singleton(value):
+    """`value[0]` for a one-element list or tuple, else `value`: how a functional model
+    returns a single output (`functional.unpack_singleton`)."""
+    return _private(keras_functional, "unpack_singleton", "functional.unpack_singleton")(value)
+
+
+def run_through_graph(model, inputs: list, operation_fn: Callable) -> object:
+    """Runs a functional model's graph on flat `inputs`, calling each operation through
+    `operation_fn(operation)` (`Function._run_through_graph`), and returns its outputs."""
+    run = _private(model, "_run_through_graph", "Function._run_through_graph")
+    return run(inputs, operation_fn=operation_fn)
+
+
+class OperationWrappingFunctional:
+    """Mixin for a functional `keras.Model` subclass that runs each operation of its graph
+    through `wrap_operation`, e.g. under a device scope.
+
+    Keras runs a functional graph in the private `Function._run_through_graph`, whose
+    `operation_fn` argument is the only hook into each operation's call; this mixin
+    overrides it so that no class outside `tfmulti/compat/` does.
+
+    Example:
+        >>> class OnDevices(OperationWrappingFunctional, keras.Model):
+        ...     def wrap_operation(self, operation, function):
+        ...         return function
+    """
+
+    def wrap_operation(self, operation, function: Callable) -> Callable:
+        """The function to call in place of `function`, which calls `operation`."""
+        return function
+
+    def _run_through_graph(self, inputs, operation_fn=lambda op: op, call_fn=None):
+        run = _private(super(), "_run_through_graph", "Function._run_through_graph")
+        return run(inputs, lambda op: self.wrap_operation(op, operation_fn(op)), call_fn)
+
+
+# Training
+
+
+def compute_loss(model: keras.Model, x, y, y_pred, sample_weight=None, training=True):
+    """`model`'s compiled loss on one batch, through `Trainer._compute_loss`, which calls a
+    user's `compute_loss` override with or without its `training` argument."""
+    compute = _private(model, "_compute_loss", "Trainer._compute_loss")
+    return compute(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
+
+
+def track_loss(model: keras.Model, loss, sample_weight) -> None:
+    """Adds a step's `loss` to the "loss" `fit` reports (`Trainer._loss_tracker`), unscaled
+    for the distribution strategy as Keras' own `train_step` does."""
+    tracker = _private(model, "_loss_tracker", "Trainer._loss_tracker")
+    unscale = _private(
+        keras_loss, "unscale_loss_for_distribution", "losses.loss.unscale_loss_for_distribution"
+    )
+    tracker.update_state(unscale(loss), sample_weight=sample_weight)
+
+
+def learning_rate_setting(optimizer: keras.optimizers.Optimizer):
+    """The learning rate `optimizer` was given (`Optimizer._learning_rate`): a number or a
+    `LearningRateSchedule`, where the public `learning_rate` is its current value."""
+    return _private(optimizer, "_learning_rate", "BaseOptimizer._learning_rate")

@@ -1,0 +1,157 @@
+"""Every private TensorFlow function or attribute tfmulti uses, each behind a named function.
+
+TensorFlow has no public way to record an op on the gradient tapes without the
+`IdentityN` of `tf.custom_gradient`, to run a collective all-reduce with explicit keys,
+to set the options of the functions a thread calls, to ask whether an op is stateful, or
+to give MultiWorkerMirroredStrategy more than one CPU device per worker. Each of these is
+a small function here; one whose private name is gone fails with one line naming the
+TensorFlow version (`MissingTensorFlowInternal`). `tests/test_compat_internals.py` calls
+each on the installed TensorFlow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import tensorflow as tf
+from tensorflow.core.protobuf import config_pb2
+from tensorflow.python.distribute import collective_all_reduce_strategy
+from tensorflow.python.eager import context, record
+from tensorflow.python.ops import collective_ops
+
+from tfmulti.compat.tf_profiler import tensorflow_version
+
+# Checked on TensorFlow 2.21.0 by tests/test_compat_internals.py; setup.py allows no newer
+# TensorFlow. Raise after running that test on a newer one.
+FIRST_CHECKED_TENSORFLOW = (2, 20)
+FIRST_UNCHECKED_TENSORFLOW = (2, 22)
+
+
+class MissingTensorFlowInternal(RuntimeError):
+    """A private TensorFlow name tfmulti relies on is missing from the installed TensorFlow."""
+
+
+def _private(owner, name: str, what: str):
+    """`owner.<name>`, or a `MissingTensorFlowInternal` naming `what` and the TensorFlow."""
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        raise MissingTensorFlowInternal(
+            f"tfmulti needs TensorFlow's private {what}, which TensorFlow {tf.__version__} "
+            f"lacks; tfmulti is checked on TensorFlow {_release(FIRST_CHECKED_TENSORFLOW)} up "
+            f"to {_release(FIRST_UNCHECKED_TENSORFLOW)} (exclusive). "
+            f"Received: tensorflow=={tf.__version__}"
+        ) from None
+
+
+def _release(version: tuple[int, ...]) -> str:
+    return ".".join(str(number) for number in version)
+
+
+def is_checked_tensorflow() -> bool:
+    """Whether the installed TensorFlow is in the range these functions were checked on."""
+    return FIRST_CHECKED_TENSORFLOW <= tensorflow_version() < FIRST_UNCHECKED_TENSORFLOW
+
+
+# Gradient tapes
+
+
+def stop_recording():
+    """A context in which ops are not recorded on any gradient tape (`record.stop_recording`)."""
+    return _private(record, "stop_recording", "eager.record.stop_recording")()
+
+
+def should_record_backprop(tensors: Sequence[tf.Tensor]) -> bool:
+    """Whether an active gradient tape watches one of `tensors`
+    (`record.should_record_backprop`)."""
+    return _private(record, "should_record_backprop", "eager.record.should_record_backprop")(
+        tensors
+    )
+
+
+def record_operation(
+    name: str, outputs: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor], backward: Callable
+) -> None:
+    """Records an op from `inputs` to `outputs` with gradient `backward` on the active tapes,
+    as `tf.custom_gradient` does but without its `IdentityN` (`record.record_operation`)."""
+    _private(record, "record_operation", "eager.record.record_operation")(
+        name, outputs, inputs, backward
+    )
+
+
+# Collectives
+
+
+def all_reduce_v2(tensor: tf.Tensor, **kwargs) -> tf.Tensor:
+    """A `CollectiveReduceV2` sum of `tensor` over a group (`collective_ops.all_reduce_v2`),
+    with the group and instance keys the caller chooses, which no public API takes."""
+    return _private(collective_ops, "all_reduce_v2", "collective_ops.all_reduce_v2")(
+        tensor, **kwargs
+    )
+
+
+# Function calls
+
+
+def function_call_config() -> config_pb2.ConfigProto:
+    """A copy of the config the calling thread passes to the functions it calls
+    (`context.context().function_call_options`, which has no public getter)."""
+    options = _private(context.context(), "function_call_options", "Context.function_call_options")
+    return config_pb2.ConfigProto.FromString(options.config_proto_serialized)
+
+
+@contextlib.contextmanager
+def functions_called_with(config: config_pb2.ConfigProto) -> Iterator[None]:
+    """Functions this thread calls (and traces) inside get `config`
+    (`context.FunctionCallOptions`)."""
+    ctx = context.context()
+    saved = _private(ctx, "function_call_options", "Context.function_call_options")
+    options = _private(context, "FunctionCallOptions", "context.FunctionCallOptions")
+    ctx.function_call_options = options(executor_type=saved.executor_type, config_proto=config)
+    try:
+        yield
+    finally:
+        ctx.function_call_options = saved
+
+
+# Graphs
+
+
+def is_stateful(op: tf.Operation) -> bool:
+    """Whether `op` reads or changes state, so it may not be pruned or merged
+    (`Operation._is_stateful`)."""
+    return _private(op, "_is_stateful", "Operation._is_stateful")
+
+
+# Strategies
+
+
+def multi_worker_strategy_on_logical_cpus(
+    resolver, options, num_logical_cpus: int
+) -> tf.distribute.MultiWorkerMirroredStrategy:
+    """A MultiWorkerMirroredStrategy whose workers each replicate over `num_logical_cpus` CPU
+    devices; the public one uses CPU:0 only
+    (`CollectiveAllReduceExtended._initialize_local_devices`)."""
+    extended_class = _private(
+        collective_all_reduce_strategy,
+        "CollectiveAllReduceExtended",
+        "collective_all_reduce_strategy.CollectiveAllReduceExtended",
+    )
+    _private(
+        extended_class,
+        "_initialize_local_devices",
+        "CollectiveAllReduceExtended._initialize_local_devices",
+    )
+
+    class LogicalCpuExtended(extended_class):
+        def _initialize_local_devices(self, cluster_resolver, worker_device):
+            devices = tuple(f"{worker_device}/device:CPU:{i}" for i in range(num_logical_cpus))
+            return devices, "CPU"
+
+    strategy_class = tf.distribute.MultiWorkerMirroredStrategy
+    strategy = strategy_class.__new__(strategy_class)
+    super(strategy_class, strategy).__init__(
+        LogicalCpuExtended(strategy, cluster_resolver=resolver, communication_options=options)
+    )
+    return strategy
