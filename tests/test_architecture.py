@@ -23,10 +23,9 @@ LAYERS = [
         "tfmulti.step_ranges",
         "tfmulti.user_code",
         "tfmulti.text_table",
-        "tfmulti.wrapped_model",
     ],
     ["tfmulti.compat", "tfmulti.pipeline", "tfmulti.platform", "tfmulti.config"],
-    ["tfmulti.costing", "tfmulti.collectives", "tfmulti.data"],
+    ["tfmulti.costing", "tfmulti.collectives", "tfmulti.data", "tfmulti.wrapped_model"],
     ["tfmulti.tensor_parallel"],
     ["tfmulti.keras_distribution", "tfmulti.pipeline.stages"],
     ["tfmulti.placement", "tfmulti.pipeline.runtime"],
@@ -143,6 +142,8 @@ def test_private_keras_and_tensorflow_internals_are_used_only_in_compat():
                     for a in node.names
                     if a.name.startswith(PRIVATE_MODULES)
                 ]
+            elif isinstance(node, ast.keyword) and (node.arg or "").startswith("_"):
+                uses.append(f"{module}: keyword {node.arg}=")
             elif (
                 isinstance(node, ast.Attribute)
                 and node.attr.startswith("_")

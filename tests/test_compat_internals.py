@@ -198,3 +198,8 @@ def test_multi_worker_strategy_on_logical_cpus_extends_the_strategy_class():
     extended = collective_all_reduce_strategy.CollectiveAllReduceExtended
     parameters = inspect.signature(extended._initialize_local_devices).parameters
     assert list(parameters) == ["self", "cluster_resolver", "worker_device"]
+
+
+def test_step_trace_accepts_the_root_flag():
+    with tf_internals.step_trace("train", 3):
+        tf.constant(1.0) + 1.0

@@ -2,7 +2,7 @@
 what it promises: JSON that parses, with sane keys and values, and valid PNG pictures.
 
 `train.py`, `launch.py` and `plan_pipeline.py` have files of their own, and `plan.py`
-measures, saves, validates and prints JSON as docs/planner.md shows it, in
+measures, saves, validates and prints JSON as docs/guide/hybrid_and_planner.md shows it, in
 test_documented_commands.py (MAIN_PATH_TESTS); this file runs the benchmarks. The
 `mesh3d` section of benchmark_parallel.py runs as BUILD.md documents it.
 """

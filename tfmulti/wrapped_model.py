@@ -16,6 +16,8 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from tfmulti.platform.optimizer_devices import place_optimizer_on_variable_devices
+
 
 class WrappedModel:
     """Mixin, before `keras.Model`, for a model that trains a user's model spread over devices.
@@ -26,6 +28,7 @@ class WrappedModel:
         _model_weights(): that model's weights in its order, without making it.
         _parts_built(): whether every part holding weights is built.
         placement_table(): one line per layer or block, saying where it runs.
+        _use_xla(enabled), _check_optimizer(optimizer): optional, see `compile`.
         _weights_changed(): optional; called after weights are set or loaded from
             outside (a hybrid model copies them into its other replicas).
 
@@ -33,6 +36,26 @@ class WrappedModel:
         >>> class PlacedModel(WrappedModel, keras.Model): ...
         >>> placed.summary()  # the plain model's table, then where each layer runs
     """
+
+    def compile(self, *args, jit_compile=False, **kwargs):
+        """Like `keras.Model.compile`; each optimizer slot and update follows its variable's
+        device. `jit_compile` goes to `_use_xla`: one XLA cluster would merge the devices."""
+        self._use_xla(jit_compile is True)
+        super().compile(*args, jit_compile=False, **kwargs)
+        if self.optimizer is not None:
+            self._check_optimizer(getattr(self.optimizer, "inner_optimizer", self.optimizer))
+            place_optimizer_on_variable_devices(self.optimizer)
+
+    def _use_xla(self, enabled: bool) -> None:
+        """Compiles the parts that run on one device each with XLA (refused by default)."""
+        if enabled:
+            raise ValueError(
+                f"{type(self).__name__} runs each layer on its own device, which XLA "
+                "compilation ignores. Received: jit_compile=True; use jit_compile=False."
+            )
+
+    def _check_optimizer(self, optimizer: keras.optimizers.Optimizer) -> None:
+        """Refuses optimizer settings the model cannot honour (none by default)."""
 
     @property
     def weights(self):

@@ -11,7 +11,7 @@ Examples:
   tfmulti-plan --costs=/tmp/costs.json --devices=8 --json
   tfmulti-plan --devices=2 --allow_fewer_devices --validate=4   # run them, compare
 
-Assumptions (see docs/planner.md): block times are affine in the micro-batch size;
+Assumptions (see docs/guide/hybrid_and_planner.md): block times are affine in the micro-batch size;
 devices run independently; every link moves --bandwidth bytes/s (ring all-reduce
 2(n-1)/n x bytes / bandwidth); a tensor-split block computes 1/K of its per-example
 work plus two output all-reduces per pass; memory is parameter state

@@ -155,3 +155,9 @@ def multi_worker_strategy_on_logical_cpus(
         LogicalCpuExtended(strategy, cluster_resolver=resolver, communication_options=options)
     )
     return strategy
+
+
+def step_trace(name: str, step: int) -> tf.profiler.experimental.Trace:
+    """A profiler trace event marking one training step, with the private root flag
+    (`_r=1`) TensorBoard's profile step view needs; Keras' own callback omits it."""
+    return tf.profiler.experimental.Trace(name, step_num=step, _r=1)

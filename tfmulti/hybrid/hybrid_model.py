@@ -23,7 +23,6 @@ from tfmulti.pipeline.runtime.microbatches import (
 from tfmulti.pipeline.runtime.pipeline_model import PipelineModel
 from tfmulti.pipeline.stages.split_summary import placement_table
 from tfmulti.platform.devices import variable_device
-from tfmulti.platform.optimizer_devices import place_optimizer_on_variable_devices
 from tfmulti.wrapped_model import WrappedModel
 
 
@@ -105,24 +104,21 @@ class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, keras.Model):
         self.num_data_replicas = len(self.replicas) * num_workers
         self._replicas_synced = False
 
-    def compile(self, *args, jit_compile=False, **kwargs):
-        """Like `keras.Model.compile`; `jit_compile=True` compiles each copy's stages with
-        XLA, each for its own device (as `PipelineModel.compile`). Refuses
-        `global_clipnorm` (the optimizer sees every copy's gradient, so the norm would be
-        sqrt(replicas) times too large; `clipnorm` and `clipvalue` work)."""
+    def _use_xla(self, enabled: bool) -> None:
+        """`compile(jit_compile=True)` compiles each copy's stages with XLA, each for its
+        own device (as `PipelineModel`)."""
         for replica in self.replicas:
-            replica.compile_stages_with_xla(jit_compile is True)
-        super().compile(*args, jit_compile=False, **kwargs)
-        if self.optimizer is None:
-            return
-        inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
-        if inner.global_clipnorm is not None:
+            replica.compile_stages_with_xla(enabled)
+
+    def _check_optimizer(self, optimizer: keras.optimizers.Optimizer) -> None:
+        """Refuses `global_clipnorm`: the optimizer sees every copy's gradient, so the norm
+        would be sqrt(replicas) times too large (`clipnorm` and `clipvalue` work)."""
+        if optimizer.global_clipnorm is not None:
             raise ValueError(
                 "HybridPipelineModel applies each gradient to every copy of the model, so a "
                 "global norm would count each copy. Received: global_clipnorm="
-                f"{inner.global_clipnorm}; use clipnorm or clipvalue."
+                f"{optimizer.global_clipnorm}; use clipnorm or clipvalue."
             )
-        place_optimizer_on_variable_devices(self.optimizer)
 
     def to_model(self) -> keras.Model:
         """Replica 0 as a plain single-device Keras model sharing its weights (every copy

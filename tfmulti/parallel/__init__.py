@@ -1,5 +1,5 @@
-"""Model parallelism: split layers (Megatron-style tensor parallelism), layer placement, and
-`keras.distribution` layouts sharded on TensorFlow (`shard`, `variable_bytes_per_device`).
+"""The public names of model parallelism, in one place: split layers (`tensor_parallel/`),
+layer placement (`placement/`) and `keras.distribution` on TensorFlow (`keras_distribution/`).
 
 Example:
     >>> from tfmulti.parallel import ParallelMLP, place

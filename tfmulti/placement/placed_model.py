@@ -31,7 +31,6 @@ from tfmulti.placement.device_map import (
 from tfmulti.placement.summary import LayerPlacement, PlacementSummary
 from tfmulti.placement.units import graph_units, unit_blocks
 from tfmulti.platform.devices import logical_device_names
-from tfmulti.platform.optimizer_devices import place_optimizer_on_variable_devices
 from tfmulti.platform.variable_moves import move_variable
 from tfmulti.wrapped_model import WrappedModel
 
@@ -90,17 +89,6 @@ class PlacedModel(WrappedModel, OperationWrappingFunctional, keras.Model):
 
     def _parts_built(self) -> bool:
         return True
-
-    def compile(self, *args, jit_compile=False, **kwargs):
-        """Like `keras.Model.compile`; the optimizer's slots follow their variables' devices."""
-        if jit_compile is True:
-            raise ValueError(
-                "PlacedModel runs each layer on its own device, which XLA compilation ignores. "
-                "Received: jit_compile=True; use jit_compile=False."
-            )
-        super().compile(*args, jit_compile=False, **kwargs)
-        if self.optimizer is not None:
-            place_optimizer_on_variable_devices(self.optimizer)
 
     def train_step(self, data):
         if not tf.inside_function():

@@ -8,6 +8,8 @@ import tempfile
 import keras
 import tensorflow as tf
 
+from tfmulti.compat import tf_internals
+
 
 def profile_run_dir(log_dir: str, run_name: str) -> str:
     """The directory TensorBoard's profile plugin reads run `run_name` from."""
@@ -60,7 +62,7 @@ class ProfileSteps(keras.callbacks.Callback):
         if self._step == self.first_step:
             self._start()
         if self._profile_dir is not None:
-            self._trace = tf.profiler.experimental.Trace("train", step_num=self._step, _r=1)
+            self._trace = tf_internals.step_trace("train", self._step)
             self._trace.__enter__()
 
     def on_train_batch_end(self, batch, logs=None):

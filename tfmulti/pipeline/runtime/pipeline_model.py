@@ -42,7 +42,6 @@ from tfmulti.pipeline.stages.stage_devices import (
     move_built_stages,
     resolve_devices,
 )
-from tfmulti.platform.optimizer_devices import place_optimizer_on_variable_devices
 from tfmulti.wrapped_model import WrappedModel
 
 
@@ -127,15 +126,11 @@ class PipelineModel(WrappedModel, OptimisedOnceSteps, keras.Model):
         # the stages chained into a model once that spec is known.
         self._export = types.SimpleNamespace(model=None, input_spec=None, chained=None)
 
-    def compile(self, *args, jit_compile=False, **kwargs):
-        """Like `keras.Model.compile`. `jit_compile=True` compiles each stage's functions
-        with XLA for the stage's own device; the step around them (the schedule, transfers,
-        the optimizer) stays a TensorFlow graph, as one XLA cluster would merge the devices.
-        "auto" means no XLA."""
-        self.compile_stages_with_xla(jit_compile is True)
-        super().compile(*args, jit_compile=False, **kwargs)
-        if self.optimizer is not None:
-            place_optimizer_on_variable_devices(self.optimizer)
+    def _use_xla(self, enabled: bool) -> None:
+        """`compile(jit_compile=True)` compiles each stage's functions with XLA for the
+        stage's own device; the step around them (the schedule, transfers, the optimizer)
+        stays a TensorFlow graph. "auto" means no XLA."""
+        self.compile_stages_with_xla(enabled)
 
     def compile_stages_with_xla(self, jit_compile: bool) -> None:
         """Compiles each stage's functions with XLA from the next trace on (or stops)."""
