@@ -26,8 +26,8 @@ define_worker_console_flags()
 def _train(argv: list[str]) -> None:
     del argv
     from tfmulti.platform.tf_startup import start_tensorflow
-    from tfmulti.run.training import NOTHING_LEFT_TO_TRAIN
 
+    # Before anything imports TensorFlow, so its start-up notices stay off the console.
     start_tensorflow(FLAGS.tf_log_level)
     if FLAGS.virtual_devices:
         from tfmulti.platform.devices import configure_logical_devices
@@ -37,6 +37,7 @@ def _train(argv: list[str]) -> None:
     from tfmulti.collectives.tensor_reduction import set_tensor_reduction
     from tfmulti.platform.worker_console import quiet_unless_chief
     from tfmulti.run.model_setup import resolve_run_cluster
+    from tfmulti.run.training import NOTHING_LEFT_TO_TRAIN
 
     set_tensor_reduction(FLAGS.tensor_reduce)
     set_collective_timeout(FLAGS.collective_timeout)
