@@ -83,7 +83,7 @@ def test_unknown_communication_is_rejected_before_tensorflow_starts():
 def test_unreachable_peer_gives_a_one_line_error_within_the_connect_timeout():
     hosts = [f"127.0.0.1:{port}" for port in free_loopback_ports(2)]
     code = (
-        "from tfmulti import cluster\n"
+        "from tfmulti.platform import cluster\n"
         f"info = cluster.resolve_cluster({hosts!r}, 0)\n"
         "cluster.build_multi_worker_strategy(info, connect_timeout_seconds=3)\n"
     )

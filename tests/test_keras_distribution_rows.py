@@ -348,7 +348,7 @@ def test_a_train_step_whose_calls_share_no_batch_axis_warns_once_and_trains_on_t
 
 
 def test_a_layer_is_split_only_when_its_tensors_share_one_batch_axis():
-    from tfmulti.compat.keras_distribution_tf import _one_batch_axis
+    from tfmulti.keras_distribution.row_split_steps import _one_batch_axis
 
     batch = tf.TensorSpec((None, 6))
     assert _one_batch_axis((tf.zeros((4, 6)), tf.zeros((4,))), {"scale": 2.0})

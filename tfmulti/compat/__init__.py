@@ -1,4 +1,5 @@
-"""Compatibility fixes for Keras 3 under tf.distribute, applied when Keras loads.
+"""Every touch of Keras and TensorFlow internals: fixes applied when Keras loads, and named
+accessors of private APIs (`keras_internals`, `tf_internals`), each version-guarded.
 
 Importing this package imports neither TensorFlow nor Keras.
 
