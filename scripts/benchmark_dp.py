@@ -103,7 +103,7 @@ def tfmulti_run(source, model_dir):
     from tfmulti.run.run_record import RunRecord
     from tfmulti.run.training import standard_callbacks
 
-    config = TrainConfig(
+    config = TrainConfig.from_flat(
         strategy="mirrored",
         num_devices=FLAGS.virtual_devices,
         batch_size=FLAGS.batch_size,

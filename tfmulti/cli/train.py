@@ -36,13 +36,14 @@ def _train(argv: list[str]) -> None:
     from tfmulti.collectives.collective_all_reduce import set_collective_timeout
     from tfmulti.collectives.tensor_reduction import set_tensor_reduction
     from tfmulti.platform.worker_console import quiet_unless_chief
-    from tfmulti.run.model_setup import resolve_run_cluster
     from tfmulti.run.training import NOTHING_LEFT_TO_TRAIN
+    from tfmulti.strategies import get_training_strategy
 
     set_tensor_reduction(FLAGS.tensor_reduce)
     set_collective_timeout(FLAGS.collective_timeout)
     config = config_from_flags()
-    quiet = quiet_unless_chief(resolve_run_cluster(config), FLAGS.verbose_workers)
+    cluster = get_training_strategy(config.distribution.strategy).resolve_cluster(config)
+    quiet = quiet_unless_chief(cluster, FLAGS.verbose_workers)
     record = _train_or_report_timeout(config)
     if quiet or record.get(NOTHING_LEFT_TO_TRAIN):
         return

@@ -113,12 +113,14 @@ def keep_optimizer_state_beside(variable) -> None:
 def _slots_on_variable_device(original: Callable) -> Callable:
     @functools.wraps(original)
     def add_variable_from_reference(self, reference_variable, *args, **kwargs):
-        storage = getattr(reference_variable, "_value", None)
         if not getattr(reference_variable, _STATE_BESIDE, False) or tf.distribute.has_strategy():
             return original(self, reference_variable, *args, **kwargs)
+        # Imported here: it imports Keras, whose import runs this module's `apply_patches`.
+        from tfmulti.platform.optimizer_devices import beside
+
         # Optimizers build inside the first traced step; the variable is then lifted out of
         # the graph, and the colocation upstream asks for is lost with it.
-        with tf.device(storage.device):
+        with beside(reference_variable):
             return original(self, reference_variable, *args, **kwargs)
 
     return add_variable_from_reference

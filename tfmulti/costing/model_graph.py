@@ -232,3 +232,26 @@ class RecordedCall:
             leaves[position] = tensor
         args, kwargs = tf.nest.pack_sequence_as(self.structure, leaves)
         return self.operation(*args, **kwargs)
+
+
+def recording(operation, function, record) -> callable:
+    """`function` (which calls `operation`) run in training mode, each call passed to
+    `record` as a `RecordedCall` that timing can replay."""
+
+    def call(*args, **kwargs):
+        if isinstance(operation, keras.layers.Layer):
+            # Timing replays the call on the operation itself, in training mode.
+            kwargs["training"] = True
+        recorded = RecordedCall(operation, args, kwargs)
+        recorded.outputs = function(*args, **kwargs)
+        record(recorded)
+        return recorded.outputs
+
+    return call
+
+
+def sample_tensors(model: keras.Model, sample_input) -> list[tf.Tensor]:
+    """`sample_input` as the list of tensors `model`'s graph takes."""
+    return [
+        tf.convert_to_tensor(x) for x in keras_internals.standardize_inputs(model, sample_input)
+    ]

@@ -24,6 +24,10 @@ def parse_flags_or_exit(
         return flags.FLAGS(argv)
     except flags.Error as error:
         message = str(error).replace("\n", " ")
+        if message.startswith("flags ") and ": --" in message:
+            # A multi-flag check: its own message names the flags; drop absl's list of
+            # every value it read.
+            message = message[message.index(": --") + 2 :]
         print(f"{os.path.basename(argv[0])}: error: {message}", file=sys.stderr)
         sys.exit(2)
 

@@ -7,13 +7,22 @@ import os
 
 from absl import flags
 
-from tfmulti.config import DTYPE_POLICIES, LR_SCHEDULE_NAMES, OPTIMIZER_NAMES, TrainConfig
+from tfmulti.config import (
+    DTYPE_POLICIES,
+    LR_SCHEDULE_NAMES,
+    OPTIMIZER_NAMES,
+    TrainConfig,
+    flat_keys,
+)
 from tfmulti.flags.help import flag_group
 from tfmulti.names import (
     ALL_REDUCE_NAMES,
     DATASET_NAMES,
+    HYBRID_STRATEGY_NAME,
     KERAS_MODEL_PARALLEL_NAME,
     MODEL_NAMES,
+    STRATEGY_FLAG_REASONS,
+    STRATEGY_FLAGS,
     TENSOR_REDUCTION_NAMES,
     TRAIN_STRATEGY_NAMES,
 )
@@ -285,19 +294,12 @@ def define_pipeline_flags() -> None:
         "auto|params|time|memory balancing, or by a JSON file "
         '{"layer name or regex": device index or name}.',
     )
-    flags.register_multi_flags_validator(
-        ["placement", "strategy"],
-        lambda values: (
-            values["placement"] is None
-            or (
-                values["strategy"] == "model_parallel"
-                and (
-                    values["placement"] in PLACEMENT_POLICIES or os.path.isfile(values["placement"])
-                )
-            )
+    flags.register_validator(
+        "placement",
+        lambda placement: (
+            placement is None or placement in PLACEMENT_POLICIES or os.path.isfile(placement)
         ),
-        message="--placement goes with --strategy=model_parallel and is auto, params, time, "
-        "memory or an existing JSON file",
+        message="--placement must be auto, params, time, memory or an existing JSON file",
     )
     flags.DEFINE_string(
         "trace_steps", None, "Record the measured pipeline timeline of steps FIRST,LAST."
@@ -339,19 +341,8 @@ def define_pipeline_flags() -> None:
     flags.register_validator("mesh", _is_mesh, message="--mesh must be like data=2,pipe=2")
     flags.register_multi_flags_validator(
         ["strategy", "mesh"],
-        lambda values: (
-            values["strategy"] in ("hybrid", KERAS_MODEL_PARALLEL_NAME)
-            if values["mesh"] is not None
-            else values["strategy"] != "hybrid"
-        ),
-        message="--mesh goes with --strategy=hybrid or keras_model_parallel, and "
-        "--strategy=hybrid needs --mesh",
-    )
-    flags.register_multi_flags_validator(
-        ["strategy", "trace_steps"],
-        lambda values: values["strategy"] == "pipeline" or values["trace_steps"] is None,
-        message="--trace_steps records a pipeline's schedule: use it with --strategy=pipeline "
-        "(not yet with hybrid), or drop it",
+        lambda values: values["strategy"] != HYBRID_STRATEGY_NAME or values["mesh"] is not None,
+        message="--strategy=hybrid needs --mesh, e.g. --mesh=data=2,pipe=2",
     )
     flags.register_multi_flags_validator(
         ["schedule", "chunks"],
@@ -397,6 +388,27 @@ def define_cluster_flags() -> None:
     )
 
 
+STRATEGY_ONLY_FLAGS = sorted({name for names in STRATEGY_FLAGS.values() for name in names})
+
+
+def _strategy_takes_its_flags(values: dict) -> bool:
+    """Validates that every strategy-only flag set away from its default is one the chosen
+    `--strategy` takes (`tfmulti.names.STRATEGY_FLAGS`); raises the one-line refusal."""
+    strategy = values["strategy"]
+    for name in STRATEGY_ONLY_FLAGS:
+        if values[name] == FLAGS[name].default or name in STRATEGY_FLAGS[strategy]:
+            continue
+        takers = " or ".join(sorted(s for s, names in STRATEGY_FLAGS.items() if name in names))
+        given = f"--no{name}" if values[name] is False else f"--{name}"
+        reason = STRATEGY_FLAG_REASONS.get(name)
+        raise flags.ValidationError(
+            f"{given} goes only with --strategy={takers}, not --strategy={strategy}"
+            + (f" ({reason})" if reason else "")
+            + "; drop it, or change --strategy"
+        )
+    return True
+
+
 def define_train_flags() -> None:
     """Defines every flag of `scripts/train.py`."""
     define_device_flags()
@@ -406,41 +418,24 @@ def define_train_flags() -> None:
     define_loop_flags()
     define_output_flags()
     flags.register_multi_flags_validator(
-        ["strategy", "layout_map", "jit_compile"],
+        ["strategy", "layout_map"],
         lambda values: (
-            (values["strategy"] == KERAS_MODEL_PARALLEL_NAME)
-            == (values["layout_map"] is not None and is_function_reference(values["layout_map"]))
-            and not (values["layout_map"] and values["jit_compile"])
+            values["strategy"] != KERAS_MODEL_PARALLEL_NAME
+            or (values["layout_map"] is not None and is_function_reference(values["layout_map"]))
         ),
-        message="--strategy=keras_model_parallel needs --layout_map=package.module:function, "
-        "--layout_map goes only with it, and not with --jit_compile",
+        message="--strategy=keras_model_parallel needs --layout_map=package.module:function",
     )
     flags.register_multi_flags_validator(
-        ["tensor_parallel", "strategy", "model", "jit_compile"],
+        ["strategy", *STRATEGY_ONLY_FLAGS], _strategy_takes_its_flags, message=""
+    )
+    flags.register_multi_flags_validator(
+        ["tensor_parallel", "model", "jit_compile"],
         lambda values: (
             values["tensor_parallel"] == 1
-            or (
-                values["strategy"] == "model_parallel"
-                and values["model"] == "transformer"
-                and not values["jit_compile"]
-            )
+            or (values["model"] == "transformer" and not values["jit_compile"])
         ),
-        message="--tensor_parallel > 1 goes with --strategy=model_parallel --model=transformer "
-        "and without --jit_compile",
-    )
-    flags.register_multi_flags_validator(
-        ["strategy", "jit_compile"],
-        lambda values: (
-            values["strategy"] not in ("mirrored", "multi_worker") or not values["jit_compile"]
-        ),
-        message="--jit_compile does not go with --strategy=mirrored or multi_worker: Keras 3 "
-        "cannot compile a tf.distribute replica's step with XLA (keras-team/keras#19005); "
-        "drop --jit_compile, or use --strategy=one_device or pipeline",
-    )
-    flags.register_multi_flags_validator(
-        ["strategy", "rolled"],
-        lambda values: values["rolled"] or values["strategy"] == "pipeline",
-        message="--norolled goes with --strategy=pipeline (hybrid steps always roll)",
+        message="--tensor_parallel > 1 splits the reference Transformer: use "
+        "--model=transformer, without --jit_compile (a split layer spans several devices)",
     )
     flags.register_multi_flags_validator(
         ["mesh", "jit_compile"],
@@ -460,55 +455,37 @@ def define_train_flags() -> None:
     )
 
 
-def config_from_flags() -> TrainConfig:
-    """Builds a `TrainConfig` from the parsed flags."""
+def _step_range_or_none(text: str | None) -> tuple[int, int] | None:
     from tfmulti.step_ranges import parse_step_range
 
-    return TrainConfig(
-        strategy=FLAGS.strategy,
-        num_devices=FLAGS.num_devices or None,
-        all_reduce=FLAGS.all_reduce,
-        model=FLAGS.model,
-        model_options=dict(parse_model_option(option) for option in FLAGS.model_option),
-        dataset=FLAGS.dataset,
-        data_path=FLAGS.data_path,
-        batch_size=FLAGS.batch_size,
-        epochs=FLAGS.epochs,
-        steps_per_epoch=FLAGS.steps_per_epoch or None,
-        validation_steps=FLAGS.validation_steps or None,
-        optimizer=FLAGS.optimizer,
-        learning_rate=FLAGS.learning_rate,
-        lr_schedule=FLAGS.lr_schedule,
-        warmup_steps=FLAGS.warmup_steps,
-        keep_compiled_optimizer=not any(FLAGS[name].present for name in OPTIMIZER_FLAGS),
-        callbacks=FLAGS.callbacks,
-        seed=FLAGS.seed,
-        model_dir=FLAGS.model_dir,
-        dtype=FLAGS.dtype,
-        jit_compile=FLAGS.jit_compile,
-        steps_per_execution=FLAGS.steps_per_execution,
-        profile_steps=parse_step_range(FLAGS.profile_steps) if FLAGS.profile_steps else None,
-        log_steps=FLAGS.log_steps,
-        resume=FLAGS.resume,
-        keep_checkpoints=FLAGS.keep_checkpoints,
-        checkpoint_steps=FLAGS.checkpoint_steps,
-        worker_hosts=FLAGS.worker_hosts,
-        task_index=FLAGS.task_index,
-        communication=FLAGS.communication,
-        collective_timeout=FLAGS.collective_timeout,
-        connect_timeout=FLAGS.connect_timeout,
-        shard_policy=FLAGS.shard_policy,
-        num_stages=FLAGS.num_stages,
-        microbatches=FLAGS.microbatches,
-        schedule=FLAGS.schedule,
-        chunks=FLAGS.chunks,
-        partition=FLAGS.partition,
-        remeasure_partition=FLAGS.remeasure_partition,
-        remat=FLAGS.remat,
-        rolled=FLAGS.rolled,
-        trace_steps=parse_step_range(FLAGS.trace_steps) if FLAGS.trace_steps else None,
-        placement=FLAGS.placement,
-        mesh=FLAGS.mesh,
-        tensor_parallel=FLAGS.tensor_parallel,
-        layout_map=FLAGS.layout_map,
-    )
+    return parse_step_range(text) if text else None
+
+
+def _zero_is_none(value: int) -> int | None:
+    return value or None
+
+
+# How a flag's value becomes its setting, where it is not the value itself.
+_SETTING_FROM_FLAG = {
+    "num_devices": _zero_is_none,
+    "steps_per_epoch": _zero_is_none,
+    "validation_steps": _zero_is_none,
+    "profile_steps": _step_range_or_none,
+    "trace_steps": _step_range_or_none,
+}
+# Settings no single flag gives, from all of them.
+_DERIVED_SETTINGS = {
+    "model_options": lambda: dict(parse_model_option(option) for option in FLAGS.model_option),
+    "keep_compiled_optimizer": lambda: not any(FLAGS[name].present for name in OPTIMIZER_FLAGS),
+}
+
+
+def config_from_flags() -> TrainConfig:
+    """Builds a `TrainConfig` from the parsed flags: each setting from the flag of its key."""
+    values = {}
+    for key in flat_keys():
+        if key in _DERIVED_SETTINGS:
+            values[key] = _DERIVED_SETTINGS[key]()
+        else:
+            values[key] = _SETTING_FROM_FLAG.get(key, lambda value: value)(FLAGS[key].value)
+    return TrainConfig.from_flat(**values)

@@ -8,7 +8,6 @@ import keras
 import tensorflow as tf
 
 from tfmulti.collectives.worker_sums import WorkerCollectives
-from tfmulti.compat import keras_internals
 from tfmulti.compat.keras_whole_weights import variables_holding
 from tfmulti.pipeline.actions import Schedule
 from tfmulti.pipeline.runtime.executor import add_gradients
@@ -21,12 +20,13 @@ from tfmulti.pipeline.runtime.microbatches import (
     split_padded_microbatches,
 )
 from tfmulti.pipeline.runtime.pipeline_model import PipelineModel
+from tfmulti.pipeline.runtime.scheduled_step import ScheduledStep, ScheduledTrainStep
 from tfmulti.pipeline.stages.split_summary import placement_table
 from tfmulti.platform.devices import variable_device
 from tfmulti.wrapped_model import WrappedModel
 
 
-class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, keras.Model):
+class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, keras.Model):
     """A pipelined model copied into data-parallel replicas that train as one model.
 
     Each local replica is a `PipelineModel` on its own devices. A training step splits the
@@ -162,8 +162,7 @@ class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, keras.Model):
             ]
         )
 
-    def train_step(self, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    def run_scheduled_step(self, x, y, sample_weight) -> ScheduledStep:
         self._build_replicas(x)
         sizes = microbatch_sizes(x, len(self.replicas))
         # A replica left without rows runs on a padding row that counts for nothing.
@@ -180,16 +179,16 @@ class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, keras.Model):
             )
         ]
         gradients = self._summed_gradients(results)
-        loss = self._summed_loss(results)
-        keras_internals.track_loss(self, loss, sample_weight=totals.rows)
-        self.optimizer.apply_gradients(
-            (gradient, variable)
-            for replica in self.replicas
-            for gradient, variable in zip(gradients, replica.trainable_variables, strict=True)
+        return ScheduledStep(
+            loss=self._summed_loss(results),
+            rows=totals.rows,
+            gradients_and_variables=[
+                (gradient, variable)
+                for replica in self.replicas
+                for gradient, variable in zip(gradients, replica.trainable_variables, strict=True)
+            ],
+            predictions=concat_microbatches([concat_microbatches(r.outputs) for r in results]),
         )
-        self._average_state()
-        y_pred = concat_microbatches([concat_microbatches(r.outputs) for r in results])
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _build_replicas(self, inputs) -> None:
         """Builds every replica on its devices, then makes every copy equal replica 0's
@@ -256,7 +255,7 @@ class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, keras.Model):
             summed, devices, keys=range(first_key, first_key + len(summed))
         )
 
-    def _average_state(self) -> None:
+    def after_update(self) -> None:
         """Replaces each float non-trainable variable (e.g. BatchNorm's moving statistics),
         which each replica updated from its own rows, by its mean over all data replicas,
         so the copies stay identical."""

@@ -11,7 +11,6 @@ import dataclasses
 from collections.abc import Sequence
 
 import keras
-import tensorflow as tf
 
 from tfmulti.compat import keras_internals
 
@@ -22,6 +21,8 @@ from tfmulti.costing.model_graph import (
     call_graph,
     count_parameters,
     output_bytes,
+    recording,
+    sample_tensors,
     state_bytes,
     variables_restored,
 )
@@ -133,21 +134,13 @@ def _block(unit, forward_time, backward_time, activation_bytes=0.0):
 
 
 def _record_calls(model, sample_input) -> dict[str, list[RecordedCall]]:
+    """Each operation's calls on `sample_input`, by operation name."""
     calls: dict[str, list[RecordedCall]] = {}
 
-    def recording(operation):
-        def call(*args, **kwargs):
-            if isinstance(operation, keras.layers.Layer):
-                kwargs["training"] = True
-            recorded = RecordedCall(operation, args, kwargs)
-            recorded.outputs = operation(*args, **kwargs)
-            calls.setdefault(operation.name, []).append(recorded)
-            return recorded.outputs
+    def wrap(operation):
+        return recording(
+            operation, operation, lambda call: calls.setdefault(operation.name, []).append(call)
+        )
 
-        return call
-
-    inputs = [
-        tf.convert_to_tensor(x) for x in keras_internals.standardize_inputs(model, sample_input)
-    ]
-    keras_internals.run_through_graph(model, inputs, operation_fn=recording)
+    keras_internals.run_through_graph(model, sample_tensors(model, sample_input), operation_fn=wrap)
     return calls

@@ -15,8 +15,14 @@ from tfmulti.platform.devices import variable_device
 _PLACED_MARK = "_tfmulti_placed_on_variable_devices"
 
 
-def _device_of(variable) -> str:
-    return variable_device(variable)
+def beside(variable) -> tf.device:
+    """The device scope for optimizer state and updates of `variable`: its storage's device.
+
+    The one rule for both ways tfmulti keeps slots beside their variables: per optimizer
+    (`place_optimizer_on_variable_devices`) and per variable (a split weight's shards, see
+    `tfmulti.compat.keras_distribution_tf.keep_optimizer_state_beside`).
+    """
+    return tf.device(variable_device(variable))
 
 
 def place_optimizer_on_variable_devices(optimizer: keras.optimizers.Optimizer) -> None:
@@ -36,11 +42,11 @@ def place_optimizer_on_variable_devices(optimizer: keras.optimizers.Optimizer) -
     update_step = optimizer.update_step
 
     def add_variable_from_reference(reference_variable, *args, **kwargs):
-        with tf.init_scope(), tf.device(_device_of(reference_variable)):
+        with tf.init_scope(), beside(reference_variable):
             return add_slot(reference_variable, *args, **kwargs)
 
     def placed_update_step(gradient, variable, learning_rate):
-        with tf.device(_device_of(variable)):
+        with beside(variable):
             return update_step(gradient, variable, learning_rate)
 
     object.__setattr__(optimizer, "add_variable_from_reference", add_variable_from_reference)

@@ -1,8 +1,9 @@
-"""Builds and compiles the model a `TrainConfig` asks for, spread the way `--strategy` names.
+"""Builds and compiles the model a `TrainConfig` asks for, spread as `--strategy` names.
 
 The model comes from `tfmulti.strategies.model_source` (a reference model or the user's
-`package.module:function`); the way of spreading it from `tfmulti.strategies.get_spread`; the
-optimizer from the user's own compile, or from the config (`choose_optimizer`).
+`package.module:function`); the way of spreading it from
+`tfmulti.strategies.get_training_strategy`; the optimizer from the user's own compile, or
+from the config (`choose_optimizer`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from tfmulti.config import TrainConfig
 from tfmulti.data import DataInfo
 from tfmulti.platform.cluster import ClusterInfo
 from tfmulti.run.lr_schedules import describe_learning_rate, learning_rate_schedule
-from tfmulti.strategies import BuildContext, default_loss_and_metrics, get_spread, model_source
+from tfmulti.strategies import (
+    BuildContext,
+    default_loss_and_metrics,
+    get_training_strategy,
+    model_source,
+)
 from tfmulti.strategies.model_source import ModelSource
 
 
@@ -45,8 +51,10 @@ def build_optimizer(
 
 def run_steps(config: TrainConfig, info: DataInfo) -> int:
     """Steps the whole run trains: epochs times the steps of one epoch."""
-    steps_per_epoch = config.steps_per_epoch or info.num_train_examples // config.batch_size
-    return max(1, steps_per_epoch) * config.epochs
+    steps_per_epoch = (
+        config.run.steps_per_epoch or info.num_train_examples // config.data.batch_size
+    )
+    return max(1, steps_per_epoch) * config.run.epochs
 
 
 def choose_optimizer(
@@ -55,9 +63,9 @@ def choose_optimizer(
     """The optimizer the run trains with, and a log line saying which it is.
 
     The user's function's own optimizer (a copy, schedule included) when it compiled the
-    model and `config.keep_compiled_optimizer` holds; else the one `config` names.
+    model and `config.optimizer.keep_compiled` holds; else the one `config` names.
     """
-    compiled = source.compiled_optimizer() if config.keep_compiled_optimizer else None
+    compiled = source.compiled_optimizer() if config.optimizer.keep_compiled else None
     if compiled is not None:
         inner = getattr(compiled, "inner_optimizer", compiled)
         logging.info(
@@ -65,11 +73,15 @@ def choose_optimizer(
             "--learning_rate, --lr_schedule or --warmup_steps would replace it).",
             type(inner).__name__,
             describe_learning_rate(keras_internals.learning_rate_setting(inner)),
-            config.model,
+            config.model.name,
         )
         return compiled
     optimizer = build_optimizer(
-        config.optimizer, config.learning_rate, config.lr_schedule, config.warmup_steps, total_steps
+        config.optimizer.name,
+        config.optimizer.learning_rate,
+        config.optimizer.lr_schedule,
+        config.optimizer.warmup_steps,
+        total_steps,
     )
     logging.info(
         "Optimizer: %s, learning rate %s.",
@@ -101,25 +113,9 @@ def compile_model(
         optimizer=optimizer,
         loss=loss,
         metrics=metrics,
-        jit_compile=config.jit_compile,
-        steps_per_execution=config.steps_per_execution,
+        jit_compile=config.model.jit_compile,
+        steps_per_execution=config.run.steps_per_execution,
     )
-
-
-def resolve_run_cluster(config: TrainConfig) -> ClusterInfo | None:
-    """The workers the run spans; None for a run on one host."""
-    return get_spread(config.strategy).resolve_cluster(config)
-
-
-def data_parallel_replicas(config: TrainConfig, strategy: tf.distribute.Strategy) -> int:
-    """How many ways the global batch is split: the mesh's data size under hybrid."""
-    return get_spread(config.strategy).data_replicas(config, strategy)
-
-
-def make_strategy(config: TrainConfig, cluster: ClusterInfo | None) -> tf.distribute.Strategy:
-    """Returns the strategy of `config`: multi-worker over `cluster`, data-parallel on
-    this host, or the default strategy for ways that place the model themselves."""
-    return get_spread(config.strategy).make_strategy(config, cluster)
 
 
 def build_compiled_model(
@@ -134,16 +130,16 @@ def build_compiled_model(
     Args:
         config: the run's settings.
         info: the dataset's description (input shape, classes).
-        strategy: from `make_strategy(config)`.
+        strategy: from the training strategy's `make_strategy`.
         sample_x: one global batch of inputs; builds the model and costs its pieces.
         cluster: the workers the run spans (None on one host).
     """
-    spread = get_spread(config.strategy)
+    training_strategy = get_training_strategy(config.distribution.strategy)
     source = model_source(config, info)
     context = BuildContext(sample_x, strategy, cluster)
-    with spread.scope(strategy):
-        model = spread.build(source, config, context)
+    with training_strategy.scope(strategy):
+        model = training_strategy.build(source, config, context)
         optimizer = choose_optimizer(config, source, run_steps(config, info))
         compile_model(model, config, optimizer, *source.loss_and_metrics())
-    spread.prepare(model, context)
+    training_strategy.prepare(model, context)
     return model

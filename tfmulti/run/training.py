@@ -11,24 +11,18 @@ import keras
 from absl import logging
 
 from tfmulti import data as data_lib
-from tfmulti.compat import tf_profiler, worker_paths
+from tfmulti.compat import tf_profiler
 from tfmulti.config import TrainConfig
 from tfmulti.errors import IncompatibleCheckpoint, Preempted, TrainingError
-from tfmulti.hybrid import worker_rows
 from tfmulti.models import registry
-from tfmulti.names import HYBRID_STRATEGY_NAME, RESTART_COUNT_VARIABLE
+from tfmulti.names import RESTART_COUNT_VARIABLE
 from tfmulti.pipeline.stages.split_summary import split_summary
 from tfmulti.platform.cluster import ClusterInfo, worker_output_dir
 from tfmulti.platform.distribute_strategy import per_replica_batch_size
 from tfmulti.platform.input_sharding import check_file_sharding
 from tfmulti.run.callbacks import StopOnNonFiniteLoss, ThroughputLogger
 from tfmulti.run.epoch_checkpoint import EpochCheckpoint, latest_checkpoint
-from tfmulti.run.model_setup import (
-    build_compiled_model,
-    data_parallel_replicas,
-    make_strategy,
-    resolve_run_cluster,
-)
+from tfmulti.run.model_setup import build_compiled_model
 from tfmulti.run.preemption import SaveOnPreemption
 from tfmulti.run.profiling import ProfileSteps
 from tfmulti.run.run_record import METRICS_FILE, RecordEpochs, RunRecord
@@ -39,6 +33,7 @@ from tfmulti.run.step_checkpoint import (
     find_resume_point,
 )
 from tfmulti.run.user_callbacks import load_callbacks
+from tfmulti.strategies import get_training_strategy
 
 
 def restarted_by_launcher() -> bool:
@@ -106,28 +101,30 @@ def standard_callbacks(
     step_checkpoint = StepCheckpoint(
         resume_directory(output_dir),
         steps_per_epoch,
-        every_steps=config.checkpoint_steps,
+        every_steps=config.run.checkpoint_steps,
         start=resume_point,
     )
     callbacks = [ResumeRun(resume_point, steps_per_epoch)] if resume_point else []
     callbacks += [
         nan_guard,
         ThroughputLogger(
-            config.batch_size, log_steps=config.log_steps, log_dir=os.path.join(logs_dir, "train")
+            config.data.batch_size,
+            log_steps=config.run.log_steps,
+            log_dir=os.path.join(logs_dir, "train"),
         ),
         step_checkpoint,
-        EpochCheckpoint(os.path.join(output_dir, "checkpoints"), keep=config.keep_checkpoints),
+        EpochCheckpoint(os.path.join(output_dir, "checkpoints"), keep=config.run.keep_checkpoints),
         *user_callbacks,
         RecordEpochs(record),
         _batch_hooks_idle(
-            keras.callbacks.TensorBoard(os.path.join(config.model_dir, "logs"), profile_batch=0)
+            keras.callbacks.TensorBoard(os.path.join(config.run.model_dir, "logs"), profile_batch=0)
         ),
     ]
-    if config.trace_steps:
+    if config.pipeline.trace_steps:
         from tfmulti.pipeline.runtime import PipelineTimelineCallback
 
-        callbacks.append(PipelineTimelineCallback(logs_dir, steps=config.trace_steps))
-    if config.profile_steps:
+        callbacks.append(PipelineTimelineCallback(logs_dir, steps=config.pipeline.trace_steps))
+    if config.run.profile_steps:
         callbacks += _profile_callbacks(config, cluster)
     # Last: a preemption at an epoch's end waits for every record of that epoch.
     callbacks.append(SaveOnPreemption(step_checkpoint, cluster_resolver))
@@ -136,14 +133,14 @@ def standard_callbacks(
 
 def _profile_callbacks(config: TrainConfig, cluster: ClusterInfo | None) -> list:
     """The profiler callback of this process, if its TensorFlow can profile it safely."""
-    log_dir = os.path.join(config.model_dir, "logs", "train")
+    log_dir = os.path.join(config.run.model_dir, "logs", "train")
     if cluster is None:
-        return [ProfileSteps(log_dir, config.profile_steps)]
+        return [ProfileSteps(log_dir, config.run.profile_steps)]
     if not tf_profiler.host_profiler_is_safe(cluster.num_workers > 1, cluster.is_chief):
         logging.warning(tf_profiler.skipped_notice(cluster.task_index))
         return []
     # Each worker that traces writes into the chief's log directory, one host entry each.
-    return [ProfileSteps(log_dir, config.profile_steps, f"worker{cluster.task_index}")]
+    return [ProfileSteps(log_dir, config.run.profile_steps, f"worker{cluster.task_index}")]
 
 
 def _shard_policy(
@@ -152,14 +149,14 @@ def _shard_policy(
     """The tf.data auto-shard policy for a multi-worker run (None on one host)."""
     if cluster is None:
         return None
-    if config.shard_policy == "file":
+    if config.data.shard_policy == "file":
         if not isinstance(source, data_lib.RecordData):
             raise ValueError(
-                f"--shard_policy=file needs input files; --dataset={config.dataset} is held "
+                f"--shard_policy=file needs input files; --dataset={config.data.dataset} is held "
                 "in memory. Use --shard_policy=data or auto."
             )
         check_file_sharding(len(source.files), cluster.num_workers)
-    return config.shard_policy
+    return config.data.shard_policy
 
 
 def _first_inputs(source: data_lib.ArrayData | data_lib.RecordData, batch_size: int):
@@ -179,11 +176,11 @@ def _nothing_left_to_train(config: TrainConfig, resume_point: ResumePoint) -> di
     logging.info(
         "Nothing left to train: --model_dir=%s has trained %d epoch(s) and --epochs=%d; "
         "pass a larger --epochs to train on.",
-        config.model_dir,
+        config.run.model_dir,
         resume_point.epoch,
-        config.epochs,
+        config.run.epochs,
     )
-    with open(os.path.join(config.model_dir, METRICS_FILE)) as handle:
+    with open(os.path.join(config.run.model_dir, METRICS_FILE)) as handle:
         return {**json.load(handle), NOTHING_LEFT_TO_TRAIN: True}
 
 
@@ -194,49 +191,55 @@ def train(config: TrainConfig) -> dict:
         ValueError: a setting is invalid (the message names it and the fix).
         TrainingError: training diverged; the last good checkpoint is kept.
     """
-    keras.utils.set_random_seed(config.seed)
-    keras.mixed_precision.set_dtype_policy(config.dtype)
-    cluster = resolve_run_cluster(config)
-    strategy = make_strategy(config, cluster)
-    replicas = data_parallel_replicas(config, strategy)
-    per_replica = per_replica_batch_size(config.batch_size, replicas)
-    hybrid = config.strategy == HYBRID_STRATEGY_NAME
-    output_dir = worker_output_dir(config.model_dir, cluster) if cluster else config.model_dir
+    keras.utils.set_random_seed(config.run.seed)
+    keras.mixed_precision.set_dtype_policy(config.model.dtype)
+    training_strategy = get_training_strategy(config.distribution.strategy)
+    cluster = training_strategy.resolve_cluster(config)
+    strategy = training_strategy.make_strategy(config, cluster)
+    replicas = training_strategy.data_replicas(config, strategy)
+    per_replica = per_replica_batch_size(config.data.batch_size, replicas)
+    output_dir = (
+        worker_output_dir(config.run.model_dir, cluster) if cluster else config.run.model_dir
+    )
     resume_point = check_model_dir(
-        config.model_dir,
-        config.resume or restarted_by_launcher(),
+        config.run.model_dir,
+        config.run.resume or restarted_by_launcher(),
         is_chief=cluster is None or cluster.is_chief,
     )
-    if resume_point and resume_point.epoch >= config.epochs:
+    if resume_point and resume_point.epoch >= config.run.epochs:
         return _nothing_left_to_train(config, resume_point)
     start_step = resume_point.global_step if resume_point else 0
 
-    user_callbacks = load_callbacks(config.callbacks)
-    registry.check_model_accepts(config.model, data_lib.dataset_task(config.dataset))
-    source = data_lib.load_source(config.dataset, data_path=config.data_path, seed=config.seed)
-    registry.check_model_accepts(config.model, source.info.task, source.info.input_shape)
-    steps_per_epoch = config.steps_per_epoch or source.info.num_train_examples // config.batch_size
+    user_callbacks = load_callbacks(config.run.callbacks)
+    registry.check_model_accepts(config.model.name, data_lib.dataset_task(config.data.dataset))
+    source = data_lib.load_source(
+        config.data.dataset, data_path=config.data.data_path, seed=config.run.seed
+    )
+    registry.check_model_accepts(config.model.name, source.info.task, source.info.input_shape)
+    steps_per_epoch = (
+        config.run.steps_per_epoch or source.info.num_train_examples // config.data.batch_size
+    )
     data = data_lib.make_datasets_from_source(
         source,
-        config.batch_size,
-        seed=config.seed,
+        config.data.batch_size,
+        seed=config.run.seed,
         steps_per_epoch=steps_per_epoch,
         start_step=start_step,
-        total_steps=steps_per_epoch * config.epochs - start_step,
-        shard_policy=None if hybrid else _shard_policy(config, source, cluster),
+        total_steps=steps_per_epoch * config.run.epochs - start_step,
+        shard_policy=(
+            None if training_strategy.feeds_worker_rows else _shard_policy(config, source, cluster)
+        ),
     )
-    if hybrid and cluster is not None:
-        # Each worker feeds its own rows of every global batch; every worker validates on
-        # the whole validation split, so all report the same.
-        data = dataclasses.replace(data, train=worker_rows(data.train, cluster))
+    if training_strategy.feeds_worker_rows and cluster is not None:
+        data = dataclasses.replace(data, train=training_strategy.worker_rows(data.train, cluster))
     model = build_compiled_model(
-        config, data.info, strategy, _first_inputs(source, config.batch_size), cluster
+        config, data.info, strategy, _first_inputs(source, config.data.batch_size), cluster
     )
     run = {
         **config.to_dict(),
         "num_replicas": replicas,
         "per_replica_batch_size": per_replica,
-        "parameters": (model.replicas[0] if hybrid else model).count_params(),
+        "parameters": training_strategy.one_copy(model).count_params(),
     }
     split = split_summary(model)
     if split is not None:
@@ -264,24 +267,22 @@ def train(config: TrainConfig) -> dict:
         cluster_resolver=getattr(strategy, "cluster_resolver", None) if cluster else None,
         user_callbacks=user_callbacks,
     )
-    if hybrid and cluster is not None and not cluster.is_chief:
-        # No multi-worker strategy scope here, so the compat fix does not redirect them.
-        worker_paths.redirect_to_scratch(callbacks, worker_paths.scratch_dir())
+    training_strategy.finish_callbacks(callbacks, cluster)
     logging.info(
         "Training %s on %s: %s over %d replica(s), global batch %d (%d per replica).",
-        config.model,
-        config.dataset,
-        config.strategy,
+        config.model.name,
+        config.data.dataset,
+        config.distribution.strategy,
         replicas,
-        config.batch_size,
+        config.data.batch_size,
         per_replica,
     )
-    validation_steps = config.validation_steps or data.validation_steps
+    validation_steps = config.run.validation_steps or data.validation_steps
     try:
         model.fit(
             data.train,
             validation_data=data.validation,
-            epochs=config.epochs,
+            epochs=config.run.epochs,
             initial_epoch=resume_point.epoch if resume_point else 0,
             steps_per_epoch=data.steps_per_epoch,
             validation_steps=validation_steps,

@@ -1,15 +1,21 @@
 """Where a Keras model meets a way of spreading it over devices, one module per way.
 
-Each way is a `Spread` answering the same few questions (its cluster, strategy, data
+Each way is a `TrainingStrategy` answering the same few questions (its cluster, strategy, data
 replicas, scope, and `build`: the run's model in, a model `compile`/`fit` train out).
-Scripts pick one by its `--strategy` name from `SPREADS`.
+Scripts pick one by its `--strategy` name from `TRAINING_STRATEGIES`.
 
 Example:
-    >>> spread = get_spread("model_parallel")
-    >>> model = spread.build(model_source(config, info), config, BuildContext(x, strategy))
+    >>> training_strategy = get_training_strategy("model_parallel")
+    >>> source = model_source(config, info)
+    >>> model = training_strategy.build(source, config, BuildContext(x, strategy))
 """
 
-from tfmulti.strategies.base import BuildContext, DeviceSpread, Spread, check_batch_splits
+from tfmulti.strategies.base import (
+    BuildContext,
+    DevicePlacingStrategy,
+    TrainingStrategy,
+    check_batch_splits,
+)
 from tfmulti.strategies.data_parallel import DataParallel, MultiWorkerDataParallel
 from tfmulti.strategies.hybrid import Hybrid
 from tfmulti.strategies.keras_model_parallel import KerasModelParallel
@@ -19,7 +25,7 @@ from tfmulti.strategies.pipeline import Pipeline
 from tfmulti.strategies.placement import Placement
 from tfmulti.strategies.tensor_parallel import TensorParallel
 
-SPREADS: dict[str, Spread] = {
+TRAINING_STRATEGIES: dict[str, TrainingStrategy] = {
     "one_device": DataParallel(),
     "mirrored": DataParallel(),
     "multi_worker": MultiWorkerDataParallel(),
@@ -30,23 +36,25 @@ SPREADS: dict[str, Spread] = {
 }
 
 
-def get_spread(name: str) -> Spread:
+def get_training_strategy(name: str) -> TrainingStrategy:
     """Returns the way of spreading a model named by `--strategy`.
 
     Example:
-        >>> type(get_spread("pipeline")).__name__
+        >>> type(get_training_strategy("pipeline")).__name__
         'Pipeline'
     """
-    if name not in SPREADS:
-        raise ValueError(f"Unknown strategy; use one of {list(SPREADS)}. Received: {name!r}")
-    return SPREADS[name]
+    if name not in TRAINING_STRATEGIES:
+        raise ValueError(
+            f"Unknown strategy; use one of {list(TRAINING_STRATEGIES)}. Received: {name!r}"
+        )
+    return TRAINING_STRATEGIES[name]
 
 
 __all__ = [
-    "SPREADS",
+    "TRAINING_STRATEGIES",
     "BuildContext",
     "DataParallel",
-    "DeviceSpread",
+    "DevicePlacingStrategy",
     "Hybrid",
     "KerasModelParallel",
     "ModelParallel",
@@ -54,10 +62,10 @@ __all__ = [
     "MultiWorkerDataParallel",
     "Pipeline",
     "Placement",
-    "Spread",
+    "TrainingStrategy",
     "TensorParallel",
     "check_batch_splits",
     "default_loss_and_metrics",
-    "get_spread",
+    "get_training_strategy",
     "model_source",
 ]

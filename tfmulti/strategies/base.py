@@ -21,7 +21,7 @@ class BuildContext:
 
     Args:
         sample_x: one global batch of inputs; builds the model and costs its pieces.
-        strategy: the run's strategy, from `Spread.make_strategy`.
+        strategy: the run's strategy, from `TrainingStrategy.make_strategy`.
         cluster: the workers the run spans; None on one host.
     """
 
@@ -30,7 +30,7 @@ class BuildContext:
     cluster: ClusterInfo | None = None
 
 
-class Spread:
+class TrainingStrategy:
     """One way of spreading a Keras model over devices, picked by `--strategy`.
 
     A subclass answers `build`: take the run's model (or its builder) and config, and
@@ -38,10 +38,11 @@ class Spread:
     defaults for ways that run outside any tf.distribute strategy.
 
     Example:
-        >>> spread = get_spread("mirrored")
-        >>> strategy = spread.make_strategy(config, spread.resolve_cluster(config))
-        >>> with spread.scope(strategy):
-        ...     model = spread.build(source, config, BuildContext(x[:64], strategy))
+        >>> training_strategy = get_training_strategy("mirrored")
+        >>> cluster = training_strategy.resolve_cluster(config)
+        >>> strategy = training_strategy.make_strategy(config, cluster)
+        >>> with training_strategy.scope(strategy):
+        ...     model = training_strategy.build(source, config, BuildContext(x[:64], strategy))
     """
 
     def resolve_cluster(self, config: TrainConfig) -> ClusterInfo | None:
@@ -53,12 +54,13 @@ class Spread:
                 each train alone and write the same `--model_dir`.
         """
         try:
-            cluster = resolve_cluster(config.worker_hosts, config.task_index)
+            cluster = resolve_cluster(config.cluster.worker_hosts, config.cluster.task_index)
         except ClusterError:
             return None  # no cluster described: one host
         if cluster.num_workers > 1:
             raise ValueError(
-                f"--strategy={config.strategy} trains on one host, but this process is "
+                f"--strategy={config.distribution.strategy} trains on one host, but this "
+                "process is "
                 f"worker {cluster.task_index} of {cluster.num_workers} ({cluster.source}); "
                 "use --strategy=multi_worker or hybrid across workers, or run it alone."
             )
@@ -85,8 +87,25 @@ class Spread:
     def prepare(self, model: keras.Model, context: BuildContext) -> None:
         """Finishes a compiled model before training (nothing by default)."""
 
+    # True when each worker feeds only its own rows of every global batch (`worker_rows`)
+    # instead of tf.data's auto-sharding splitting the input between workers.
+    feeds_worker_rows = False
 
-class DeviceSpread(Spread):
+    def worker_rows(self, train: tf.data.Dataset, cluster: ClusterInfo) -> tf.data.Dataset:
+        """This worker's rows of every global batch of `train` (see `feeds_worker_rows`)."""
+        raise NotImplementedError
+
+    def one_copy(self, model: keras.Model) -> keras.Model:
+        """The model as one copy of the user's model, to count its parameters."""
+        return model
+
+    def finish_callbacks(
+        self, callbacks: list[keras.callbacks.Callback], cluster: ClusterInfo | None
+    ) -> None:
+        """Adjusts the run's callbacks to this way of training (nothing by default)."""
+
+
+class DevicePlacingStrategy(TrainingStrategy):
     """A way that puts pieces of the model on devices itself, without a strategy."""
 
     def prepare(self, model: keras.Model, context: BuildContext) -> None:

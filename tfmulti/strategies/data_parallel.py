@@ -10,17 +10,21 @@ import tensorflow as tf
 from tfmulti.config import TrainConfig
 from tfmulti.platform.cluster import ClusterInfo, build_multi_worker_strategy, resolve_cluster
 from tfmulti.platform.distribute_strategy import get_strategy
-from tfmulti.strategies.base import BuildContext, Spread
+from tfmulti.strategies.base import BuildContext, TrainingStrategy
 from tfmulti.strategies.model_source import ModelSource
 
 
-class DataParallel(Spread):
+class DataParallel(TrainingStrategy):
     """`one_device` and `mirrored`: the model built in the strategy's scope, on this host."""
 
     def make_strategy(
         self, config: TrainConfig, cluster: ClusterInfo | None
     ) -> tf.distribute.Strategy:
-        return get_strategy(config.strategy, config.num_devices, config.all_reduce)
+        return get_strategy(
+            config.distribution.strategy,
+            config.distribution.num_devices,
+            config.distribution.all_reduce,
+        )
 
     def scope(self, strategy: tf.distribute.Strategy) -> contextlib.AbstractContextManager:
         return strategy.scope()
@@ -34,7 +38,7 @@ class MultiWorkerDataParallel(DataParallel):
     """`multi_worker`: data parallelism over the devices of every worker."""
 
     def resolve_cluster(self, config: TrainConfig) -> ClusterInfo | None:
-        return resolve_cluster(config.worker_hosts, config.task_index)
+        return resolve_cluster(config.cluster.worker_hosts, config.cluster.task_index)
 
     def make_strategy(
         self, config: TrainConfig, cluster: ClusterInfo | None
@@ -42,5 +46,8 @@ class MultiWorkerDataParallel(DataParallel):
         if cluster is None:
             return super().make_strategy(config, cluster)
         return build_multi_worker_strategy(
-            cluster, config.communication, config.collective_timeout, config.connect_timeout
+            cluster,
+            config.cluster.communication,
+            config.cluster.collective_timeout,
+            config.cluster.connect_timeout,
         )

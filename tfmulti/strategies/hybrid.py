@@ -5,20 +5,21 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tfmulti.compat import worker_paths
 from tfmulti.config import TrainConfig
 from tfmulti.platform.cluster import ClusterInfo, build_multi_worker_strategy
-from tfmulti.strategies.base import BuildContext, Spread, check_batch_splits
+from tfmulti.strategies.base import BuildContext, TrainingStrategy, check_batch_splits
 from tfmulti.strategies.model_source import ModelSource
 from tfmulti.strategies.pipeline import model_partition, partition_cost_cache, split_blocks
 
 
-class Hybrid(Spread):
+class Hybrid(TrainingStrategy):
     """`hybrid`: data x pipe over the devices of this host, or of every worker."""
 
     def resolve_cluster(self, config: TrainConfig) -> ClusterInfo | None:
         from tfmulti.hybrid import resolve_hybrid_cluster
 
-        return resolve_hybrid_cluster(config.worker_hosts, config.task_index)
+        return resolve_hybrid_cluster(config.cluster.worker_hosts, config.cluster.task_index)
 
     def make_strategy(
         self, config: TrainConfig, cluster: ClusterInfo | None
@@ -27,13 +28,16 @@ class Hybrid(Spread):
             return tf.distribute.get_strategy()
         # The strategy only starts the collective runtime; nothing runs in its scope.
         return build_multi_worker_strategy(
-            cluster, config.communication, config.collective_timeout, config.connect_timeout
+            cluster,
+            config.cluster.communication,
+            config.cluster.collective_timeout,
+            config.cluster.connect_timeout,
         )
 
     def data_replicas(self, config: TrainConfig, strategy: tf.distribute.Strategy) -> int:
         from tfmulti.platform.mesh import parse_mesh
 
-        return parse_mesh(config.mesh).data
+        return parse_mesh(config.distribution.mesh).data
 
     def build(self, source: ModelSource, config: TrainConfig, context: BuildContext) -> keras.Model:
         """A `HybridPipelineModel` over fresh copies of the model's blocks, or of the
@@ -41,50 +45,71 @@ class Hybrid(Spread):
         from tfmulti.hybrid import build_hybrid_model, build_hybrid_model_from_model
         from tfmulti.platform.mesh import parse_mesh
 
-        mesh = parse_mesh(config.mesh)
-        rows_per_step = mesh.data * config.microbatches
+        mesh = parse_mesh(config.distribution.mesh)
+        rows_per_step = mesh.data * config.pipeline.microbatches
         check_batch_splits(
-            config.batch_size,
+            config.data.batch_size,
             rows_per_step,
-            f"data={mesh.data} replicas x {config.microbatches} micro-batches",
+            f"data={mesh.data} replicas x {config.pipeline.microbatches} micro-batches",
         )
         if not source.is_reference:
             return build_hybrid_model_from_model(
                 source.model(),
                 mesh,
-                config.microbatches,
-                config.schedule,
-                chunks=config.chunks,
-                partition=model_partition(config.partition),
-                remat=config.remat,
-                sample_input=context.sample_x[: config.batch_size // rows_per_step],
+                config.pipeline.microbatches,
+                config.pipeline.schedule,
+                chunks=config.pipeline.chunks,
+                partition=model_partition(config.pipeline.partition),
+                remat=config.pipeline.remat,
+                sample_input=context.sample_x[: config.data.batch_size // rows_per_step],
                 cluster=context.cluster,
-                communication=config.communication,
-                collective_timeout=config.collective_timeout,
+                communication=config.cluster.communication,
+                collective_timeout=config.cluster.collective_timeout,
                 cost_cache=partition_cost_cache(config),
             )
         boundaries = split_blocks(
             config,
             source.blocks(),
-            mesh.pipe * config.chunks,
-            config.microbatches,
-            context.sample_x[: config.batch_size // rows_per_step],
-            config.schedule,
+            mesh.pipe * config.pipeline.chunks,
+            config.pipeline.microbatches,
+            context.sample_x[: config.data.batch_size // rows_per_step],
+            config.pipeline.schedule,
         )
         return build_hybrid_model(
             source.blocks,
             mesh,
-            config.microbatches,
-            config.schedule,
-            chunks=config.chunks,
+            config.pipeline.microbatches,
+            config.pipeline.schedule,
+            chunks=config.pipeline.chunks,
             partition_boundaries=boundaries,
-            remat=config.remat,
+            remat=config.pipeline.remat,
             cluster=context.cluster,
-            communication=config.communication,
-            collective_timeout=config.collective_timeout,
+            communication=config.cluster.communication,
+            collective_timeout=config.cluster.collective_timeout,
             make_split_blocks=source.build_split_blocks,
         )
 
     def prepare(self, model: keras.Model, context: BuildContext) -> None:
         """Builds every replica on one batch."""
         model(context.sample_x)
+
+    # Each worker feeds its own rows of every global batch; every worker validates on the
+    # whole validation split, so all report the same.
+    feeds_worker_rows = True
+
+    def worker_rows(self, train: tf.data.Dataset, cluster: ClusterInfo) -> tf.data.Dataset:
+        from tfmulti.hybrid import worker_rows
+
+        return worker_rows(train, cluster)
+
+    def one_copy(self, model: keras.Model) -> keras.Model:
+        """One data replica: the others are its copies."""
+        return model.replicas[0]
+
+    def finish_callbacks(
+        self, callbacks: list[keras.callbacks.Callback], cluster: ClusterInfo | None
+    ) -> None:
+        """Sends a non-chief worker's callbacks to scratch: no multi-worker strategy scope
+        runs here, so the compat fix of Keras' callbacks does not redirect them."""
+        if cluster is not None and not cluster.is_chief:
+            worker_paths.redirect_to_scratch(callbacks, worker_paths.scratch_dir())

@@ -17,7 +17,7 @@ from tfmulti.keras_distribution.layer_sharding import sharded_views
 from tfmulti.parallel import variable_bytes_per_device
 from tfmulti.platform.devices import first_logical_devices, logical_device_names
 from tfmulti.platform.mesh import parse_mesh
-from tfmulti.strategies.base import BuildContext, DeviceSpread
+from tfmulti.strategies.base import BuildContext, DevicePlacingStrategy
 from tfmulti.strategies.model_source import ModelSource
 from tfmulti.user_code import load_function
 
@@ -26,13 +26,14 @@ LAYOUT_MAP_FLAG = "--layout_map"
 
 def mesh_shape_for(config: TrainConfig) -> tuple[int, int]:
     """(rows, model devices): from `--mesh=data=D,tensor=K`, else (1, all devices)."""
-    if config.mesh is None:
-        return 1, config.num_devices or len(logical_device_names())
-    mesh = parse_mesh(config.mesh)
+    if config.distribution.mesh is None:
+        return 1, config.distribution.num_devices or len(logical_device_names())
+    mesh = parse_mesh(config.distribution.mesh)
     if mesh.pipe != 1:
         raise ValueError(
             "--strategy=keras_model_parallel takes --mesh=data=D,tensor=K (a (batch, model) "
-            f"mesh); for pipelines use --strategy=hybrid. Received: --mesh={config.mesh}"
+            "mesh); for pipelines use --strategy=hybrid. Received: "
+            f"--mesh={config.distribution.mesh}"
         )
     return mesh.data, mesh.tensor
 
@@ -40,20 +41,24 @@ def mesh_shape_for(config: TrainConfig) -> tuple[int, int]:
 def layout_map_for(config: TrainConfig) -> keras.distribution.LayoutMap:
     """Calls the `--layout_map` function on the run's `("batch", "model")` mesh."""
     rows, columns = mesh_shape_for(config)
-    purpose = f"--mesh={config.mesh}" if config.mesh else "--strategy=keras_model_parallel"
+    purpose = (
+        f"--mesh={config.distribution.mesh}"
+        if config.distribution.mesh
+        else "--strategy=keras_model_parallel"
+    )
     devices = first_logical_devices(rows * columns, purpose)
     mesh = keras.distribution.DeviceMesh((rows, columns), ("batch", "model"), devices)
-    layout_map = load_function(config.layout_map, LAYOUT_MAP_FLAG)(mesh)
+    layout_map = load_function(config.distribution.layout_map, LAYOUT_MAP_FLAG)(mesh)
     if not isinstance(layout_map, keras.distribution.LayoutMap):
         raise ValueError(
             f"{LAYOUT_MAP_FLAG} must name a function returning a keras.distribution.LayoutMap "
             f"for the mesh it is given. Received: {type(layout_map).__name__} from "
-            f"{LAYOUT_MAP_FLAG}={config.layout_map}"
+            f"{LAYOUT_MAP_FLAG}={config.distribution.layout_map}"
         )
     return layout_map
 
 
-class KerasModelParallel(DeviceSpread):
+class KerasModelParallel(DevicePlacingStrategy):
     """Builds the model under `ModelParallel(layout_map)`: named weights sharded over K devices."""
 
     def build(self, source: ModelSource, config: TrainConfig, context: BuildContext) -> keras.Model:

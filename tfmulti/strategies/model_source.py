@@ -111,40 +111,40 @@ class ModelSource:
 
 
 def model_source(config: TrainConfig, info: DataInfo) -> ModelSource:
-    """The `ModelSource` of `config.model` for data described by `info`.
+    """The `ModelSource` of `config.model.name` for data described by `info`.
 
-    A `package.module:function` model calls `function(**config.model_options)`;
-    a reference name builds from `tfmulti.models.registry` with `config.seed`.
+    A `package.module:function` model calls `function(**config.model.options)`;
+    a reference name builds from `tfmulti.models.registry` with `config.run.seed`.
     """
-    if is_function_reference(config.model):
-        return _user_source(config.model, config.model_options, info.num_classes)
+    if is_function_reference(config.model.name):
+        return _user_source(config.model.name, config.model.options, info.num_classes)
 
     def build(**extra) -> keras.Model:
         return registry.build_model(
-            config.model,
+            config.model.name,
             info.input_shape,
             info.num_classes,
-            config.seed,
-            **config.model_options,
+            config.run.seed,
+            **config.model.options,
             **extra,
         )
 
     def blocks(**extra) -> list[keras.layers.Layer]:
         return registry.build_blocks(
-            config.model,
+            config.model.name,
             info.input_shape,
             info.num_classes,
-            config.seed,
-            **config.model_options,
+            config.run.seed,
+            **config.model.options,
             **extra,
         )
 
     def split_blocks(devices: list[str]) -> list[keras.layers.Layer]:
         return blocks(tensor_parallel=len(devices), tensor_parallel_devices=list(devices))
 
-    splittable = "tensor_parallel" in registry.model_options(config.model)
+    splittable = "tensor_parallel" in registry.model_options(config.model.name)
     return ModelSource(
-        config.model,
+        config.model.name,
         build,
         build_blocks=blocks,
         build_split_model=lambda num_shards: build(tensor_parallel=num_shards),

@@ -11,11 +11,11 @@ from absl import logging
 from tfmulti.config import TrainConfig
 from tfmulti.pipeline.stages.split_summary import MEASURED_SECONDS_ATTRIBUTE, MeasuredStageSeconds
 from tfmulti.platform.devices import first_logical_devices
-from tfmulti.strategies.base import BuildContext, DeviceSpread, check_batch_splits
+from tfmulti.strategies.base import BuildContext, DevicePlacingStrategy, check_batch_splits
 from tfmulti.strategies.model_source import ModelSource
 
 
-class Pipeline(DeviceSpread):
+class Pipeline(DevicePlacingStrategy):
     """`pipeline`: `--num_stages` stages, `--microbatches` per step, on `--schedule`."""
 
     def build(self, source: ModelSource, config: TrainConfig, context: BuildContext) -> keras.Model:
@@ -47,7 +47,7 @@ def partition_cost_cache(config: TrainConfig):
     A resumed run always reads the kept costs: its step checkpoint holds the stages they
     cut, and new timings could cut the model elsewhere, where the checkpoint does not load.
     """
-    return kept_costs(config) if config.partition == "time" else None
+    return kept_costs(config) if config.pipeline.partition == "time" else None
 
 
 def kept_costs(config: TrainConfig):
@@ -55,9 +55,9 @@ def kept_costs(config: TrainConfig):
     calls kept between runs (re-timed with `--remeasure_partition`, except on `--resume`)."""
     from tfmulti.costing.cost_cache import COST_CACHE_FILE, CostCache
 
-    path = os.path.join(config.model_dir, COST_CACHE_FILE)
-    remeasure = config.remeasure_partition
-    if remeasure and config.resume and os.path.exists(path):
+    path = os.path.join(config.run.model_dir, COST_CACHE_FILE)
+    remeasure = config.pipeline.remeasure_partition
+    if remeasure and config.run.resume and os.path.exists(path):
         logging.warning(
             "--remeasure_partition is ignored with --resume: the run's checkpoint holds the "
             "stages cut by the costs in %s, and new timings could cut them elsewhere. Start a "
@@ -76,7 +76,7 @@ def split_blocks(
     microbatch_x: np.ndarray,
     schedule: str,
 ) -> tuple[int, ...]:
-    """Stage boundaries of `blocks` by `config.partition`, costed on one micro-batch."""
+    """Stage boundaries of `blocks` by `config.pipeline.partition`, costed on one micro-batch."""
     boundaries, _ = _split_and_seconds(
         config, blocks, num_stages, num_microbatches, microbatch_x, schedule
     )
@@ -97,18 +97,20 @@ def _split_and_seconds(
 
     if num_stages > len(blocks):
         raise ValueError(
-            f"Model {config.model!r} has {len(blocks)} blocks, too few for {num_stages} "
+            f"Model {config.model.name!r} has {len(blocks)} blocks, too few for {num_stages} "
             "stages; use fewer stages (--num_stages, pipe in --mesh) or --chunks."
         )
-    timed = config.partition == "time"
-    costs = block_costs(blocks, config.partition, microbatch_x, partition_cost_cache(config))
+    timed = config.pipeline.partition == "time"
+    costs = block_costs(
+        blocks, config.pipeline.partition, microbatch_x, partition_cost_cache(config)
+    )
     partition = partition_blocks(
         blocks,
         num_stages,
-        config.partition,
+        config.pipeline.partition,
         num_microbatches=num_microbatches,
         # The balancer simulates one stage per device; interleaved splits use 1F1B's model.
-        schedule=schedule if config.chunks == 1 else "1f1b",
+        schedule=schedule if config.pipeline.chunks == 1 else "1f1b",
         costs=costs,
     )
     seconds = MeasuredStageSeconds.from_blocks(costs, partition.boundaries) if timed else None
@@ -127,17 +129,21 @@ def build_staged_model(
         source: the run's model.
         config: the run's settings.
         sample_x: one global batch of inputs, to cost the blocks.
-        pipelined: micro-batches on `config.schedule` (True), or one batch through the
+        pipelined: micro-batches on `config.pipeline.schedule` (True), or one batch through the
             stages in turn (False: plain model parallelism).
     """
     from tfmulti.pipeline.runtime import PipelineModel, stages_from_blocks
 
-    num_microbatches = config.microbatches if pipelined else 1
-    schedule = config.schedule if pipelined else "model_parallel"
-    chunks = config.chunks if pipelined else 1
-    devices = first_logical_devices(config.num_stages, f"--num_stages={config.num_stages}")
+    num_microbatches = config.pipeline.microbatches if pipelined else 1
+    schedule = config.pipeline.schedule if pipelined else "model_parallel"
+    chunks = config.pipeline.chunks if pipelined else 1
+    devices = first_logical_devices(
+        config.pipeline.num_stages, f"--num_stages={config.pipeline.num_stages}"
+    )
     check_batch_splits(
-        config.batch_size, num_microbatches, f"{num_microbatches} micro-batches (--microbatches)"
+        config.data.batch_size,
+        num_microbatches,
+        f"{num_microbatches} micro-batches (--microbatches)",
     )
     if not source.is_reference:
         return PipelineModel.from_model(
@@ -146,33 +152,33 @@ def build_staged_model(
             num_microbatches,
             schedule,
             chunks=chunks,
-            partition=model_partition(config.partition),
-            remat=config.remat,
-            rolled=None if config.rolled else False,
-            sample_input=sample_x[: config.batch_size // num_microbatches],
+            partition=model_partition(config.pipeline.partition),
+            remat=config.pipeline.remat,
+            rolled=None if config.pipeline.rolled else False,
+            sample_input=sample_x[: config.data.batch_size // num_microbatches],
             cost_cache=partition_cost_cache(config),
         )
-    if config.partition.startswith("layers:"):
+    if config.pipeline.partition.startswith("layers:"):
         raise ValueError(
             "Reference models are cut between blocks; use --partition=manual:B1,B2 (block "
-            f"indices). Received: --partition={config.partition}"
+            f"indices). Received: --partition={config.pipeline.partition}"
         )
     blocks = source.blocks()
     boundaries, seconds = _split_and_seconds(
         config,
         blocks,
-        config.num_stages * chunks,
+        config.pipeline.num_stages * chunks,
         num_microbatches,
-        sample_x[: config.batch_size // num_microbatches],
-        config.schedule if pipelined else "1f1b",
+        sample_x[: config.data.batch_size // num_microbatches],
+        config.pipeline.schedule if pipelined else "1f1b",
     )
     model = PipelineModel(
         stages_from_blocks(blocks, boundaries),
         devices,
         num_microbatches,
         schedule,
-        remat=config.remat,
-        rolled=None if config.rolled else False,
+        remat=config.pipeline.remat,
+        rolled=None if config.pipeline.rolled else False,
     )
     if seconds is not None:
         setattr(model, MEASURED_SECONDS_ATTRIBUTE, seconds)

@@ -7,7 +7,7 @@ from absl import logging
 
 from tfmulti.config import TrainConfig
 from tfmulti.platform.devices import first_logical_devices
-from tfmulti.strategies.base import BuildContext, DeviceSpread
+from tfmulti.strategies.base import BuildContext, DevicePlacingStrategy
 from tfmulti.strategies.model_source import ModelSource
 from tfmulti.strategies.pipeline import kept_costs
 
@@ -15,7 +15,7 @@ from tfmulti.strategies.pipeline import kept_costs
 DEFAULT_PLACEMENT = "auto"
 
 
-class Placement(DeviceSpread):
+class Placement(DevicePlacingStrategy):
     """Any functional model through `tfmulti.parallel.place`, by `--placement`."""
 
     def build(self, source: ModelSource, config: TrainConfig, context: BuildContext) -> keras.Model:
@@ -24,8 +24,10 @@ class Placement(DeviceSpread):
 
         placed, _ = place_reference_model(
             source.model(),
-            first_logical_devices(config.num_stages, f"--num_stages={config.num_stages}"),
-            config.placement or DEFAULT_PLACEMENT,
+            first_logical_devices(
+                config.pipeline.num_stages, f"--num_stages={config.pipeline.num_stages}"
+            ),
+            config.distribution.placement or DEFAULT_PLACEMENT,
             sample_input=context.sample_x,
             print_fn=logging.info,
             cost_cache=kept_costs(config),

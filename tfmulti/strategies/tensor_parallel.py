@@ -5,11 +5,11 @@ from __future__ import annotations
 import keras
 
 from tfmulti.config import TrainConfig
-from tfmulti.strategies.base import BuildContext, DeviceSpread
+from tfmulti.strategies.base import BuildContext, DevicePlacingStrategy
 from tfmulti.strategies.model_source import ModelSource
 
 
-class TensorParallel(DeviceSpread):
+class TensorParallel(DevicePlacingStrategy):
     """The reference Transformer built from split layers over `--tensor_parallel` devices."""
 
     def build(self, source: ModelSource, config: TrainConfig, context: BuildContext) -> keras.Model:
@@ -19,4 +19,4 @@ class TensorParallel(DeviceSpread):
                 "your model from tfmulti.parallel's split layers and train it with "
                 f"--strategy=model_parallel instead. Received: --model={source.name}"
             )
-        return source.split_model(config.tensor_parallel)
+        return source.split_model(config.distribution.tensor_parallel)

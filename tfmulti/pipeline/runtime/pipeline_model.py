@@ -33,6 +33,7 @@ from tfmulti.pipeline.runtime.microbatches import (
     trim_microbatches,
 )
 from tfmulti.pipeline.runtime.schedule_choice import resolve_schedule
+from tfmulti.pipeline.runtime.scheduled_step import ScheduledStep, ScheduledTrainStep
 from tfmulti.pipeline.stages.export import chained_model, input_spec
 from tfmulti.pipeline.stages.model_stages import stages_from_model
 from tfmulti.pipeline.stages.split_summary import placement_table
@@ -45,7 +46,7 @@ from tfmulti.pipeline.stages.stage_devices import (
 from tfmulti.wrapped_model import WrappedModel
 
 
-class PipelineModel(WrappedModel, OptimisedOnceSteps, keras.Model):
+class PipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, keras.Model):
     """A Keras model made of stages on several devices, trained by a pipeline schedule.
 
     Each training step splits the batch, of any size, into `num_microbatches` micro-batches
@@ -166,18 +167,18 @@ class PipelineModel(WrappedModel, OptimisedOnceSteps, keras.Model):
         sizes = microbatch_sizes(inputs, self.num_microbatches)
         return forward_microbatches(inputs, sizes, through_stages)
 
-    def train_step(self, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    def run_scheduled_step(self, x, y, sample_weight) -> ScheduledStep:
         result = self.run_schedule(x, y, sample_weight)
-        loss = tf.add_n(result.losses)
-        keras_internals.track_loss(self, loss, sample_weight=batch_rows(x))
-        self.optimizer.apply_gradients(zip(result.gradients, result.variables, strict=True))
         if self._tracing:
             self._stamp_holder.buffer.assign(
                 tf.stack([tf.stack(result.stamps[action]) for action in self._trace_actions])
             )
-        y_pred = concat_microbatches(result.outputs)
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return ScheduledStep(
+            loss=tf.add_n(result.losses),
+            rows=batch_rows(x),
+            gradients_and_variables=zip(result.gradients, result.variables, strict=True),
+            predictions=concat_microbatches(result.outputs),
+        )
 
     def run_schedule(
         self,

@@ -20,6 +20,8 @@ from tfmulti.costing.model_graph import (
     RecordedCall,
     count_parameters,
     output_bytes,
+    recording,
+    sample_tensors,
     state_bytes,
     variables_restored,
 )
@@ -186,27 +188,16 @@ def call_signature(call: RecordedCall) -> str | None:
 
 
 def _record_calls(model, graph, sample_input) -> list[RecordedCall]:
+    """Each node's call on `sample_input`, in node order."""
     calls = [None] * len(graph.nodes)
 
-    def recording(index, function):
-        operation = graph.nodes[index].operation
+    def wrap(index, function):
+        return recording(
+            graph.nodes[index].operation, function, lambda call: calls.__setitem__(index, call)
+        )
 
-        def call(*args, **kwargs):
-            if isinstance(operation, keras.layers.Layer):
-                # Timing replays the call on the operation itself, in training mode.
-                kwargs["training"] = True
-            recorded = RecordedCall(operation, args, kwargs)
-            recorded.outputs = function(*args, **kwargs)
-            calls[index] = recorded
-            return recorded.outputs
-
-        return call
-
-    inputs = [
-        tf.convert_to_tensor(x) for x in keras_internals.standardize_inputs(model, sample_input)
-    ]
-    values = dict(zip(graph.input_keys, inputs, strict=True))
-    run_calls(graph.nodes, values, training=True, wrap=recording)
+    values = dict(zip(graph.input_keys, sample_tensors(model, sample_input), strict=True))
+    run_calls(graph.nodes, values, training=True, wrap=wrap)
     return calls
 
 

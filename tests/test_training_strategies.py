@@ -6,20 +6,29 @@ import pytest
 from tfmulti.config import TrainConfig
 from tfmulti.data import DataInfo
 from tfmulti.names import TRAIN_STRATEGY_NAMES
-from tfmulti.strategies import SPREADS, ModelSource, Spread, get_spread, model_source
+from tfmulti.strategies import (
+    TRAINING_STRATEGIES,
+    ModelSource,
+    TrainingStrategy,
+    get_training_strategy,
+    model_source,
+)
 from tfmulti.user_code import is_function_reference, load_function
 
 INFO = DataInfo("digits", "classification", (8, 8, 1), 10, 100, 20, "float32")
 
 
 def test_every_strategy_name_has_one_way_of_spreading_a_model():
-    assert set(SPREADS) == set(TRAIN_STRATEGY_NAMES)
-    assert all(isinstance(spread, Spread) for spread in SPREADS.values())
+    assert set(TRAINING_STRATEGIES) == set(TRAIN_STRATEGY_NAMES)
+    assert all(
+        isinstance(training_strategy, TrainingStrategy)
+        for training_strategy in TRAINING_STRATEGIES.values()
+    )
 
 
 def test_unknown_strategy_names_the_value_and_the_choices():
     with pytest.raises(ValueError, match="Received: 'parameter_server'"):
-        get_spread("parameter_server")
+        get_training_strategy("parameter_server")
 
 
 @pytest.mark.parametrize(
@@ -55,14 +64,16 @@ def test_load_function_error_is_one_line_naming_what_is_missing(reference, named
 
 
 def test_reference_model_source_builds_the_registry_model_once():
-    source = model_source(TrainConfig(model="mlp"), INFO)
+    source = model_source(TrainConfig.from_flat(model="mlp"), INFO)
     assert source.is_reference
     assert source.model() is source.model()
     assert source.model().output_shape == (None, 10)
 
 
 def test_user_function_returning_no_model_is_named_in_one_line():
-    source = model_source(TrainConfig(model="keras.layers:Dense", model_options={"units": 3}), INFO)
+    source = model_source(
+        TrainConfig.from_flat(model="keras.layers:Dense", model_options={"units": 3}), INFO
+    )
     assert not source.is_reference
     with pytest.raises(ValueError, match="must return a keras.Model. Received: Dense"):
         source.model()
@@ -70,7 +81,9 @@ def test_user_function_returning_no_model_is_named_in_one_line():
 
 def test_user_function_given_options_it_does_not_take_is_one_line():
     with pytest.raises(ValueError, match="does not take the options"):
-        model_source(TrainConfig(model="keras.layers:Dense", model_options={"size": 3}), INFO)
+        model_source(
+            TrainConfig.from_flat(model="keras.layers:Dense", model_options={"size": 3}), INFO
+        )
 
 
 def test_compiled_user_model_keeps_its_loss_and_metrics():
