@@ -2,16 +2,16 @@
 
 import pytest
 
-from tfmulti.platform.mesh import DeviceMesh, MeshError, parse_mesh
+from tfmulti.platform.mesh import HybridMesh, MeshError, parse_mesh
 
 
 @pytest.mark.parametrize(
     "text, expected",
     [
-        ("data=2,pipe=2", DeviceMesh(2, 2, 1)),
-        ("pipe=4", DeviceMesh(1, 4, 1)),
-        (" tensor=2 , data=3 ", DeviceMesh(3, 1, 2)),
-        ("data=2,pipe=2,tensor=2", DeviceMesh(2, 2, 2)),
+        ("data=2,pipe=2", HybridMesh(2, 2, 1)),
+        ("pipe=4", HybridMesh(1, 4, 1)),
+        (" tensor=2 , data=3 ", HybridMesh(3, 1, 2)),
+        ("data=2,pipe=2,tensor=2", HybridMesh(2, 2, 2)),
     ],
 )
 def test_parse_mesh_reads_axis_sizes_and_defaults_absent_axes_to_one(text, expected):
@@ -19,7 +19,7 @@ def test_parse_mesh_reads_axis_sizes_and_defaults_absent_axes_to_one(text, expec
 
 
 def test_mesh_text_round_trips_through_str():
-    mesh = DeviceMesh(data=4, pipe=2)
+    mesh = HybridMesh(data=4, pipe=2)
     assert parse_mesh(str(mesh)) == mesh
 
 

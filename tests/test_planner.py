@@ -22,7 +22,7 @@ from tfmulti.planner import (
 )
 from tfmulti.planner.train_flags import train_flags
 from tfmulti.planner.validation import distinct_layouts
-from tfmulti.platform.mesh import DeviceMesh
+from tfmulti.platform.mesh import HybridMesh
 
 GLOBAL_BATCH = 16
 HARDWARE = Hardware(bandwidth=2e8)
@@ -92,7 +92,7 @@ def _exhaustive_step_times(costs, num_devices, hardware):
                     held[device] += sum(b.param_bytes for b in stage)
                 allreduce = 2 * (data - 1) / data * 4 * max(params) / hardware.bandwidth
                 memory = max(h + a for h, a in zip(held, result.peak_activation_bytes, strict=True))
-                key = (DeviceMesh(data, pipe, tensor), schedule, m, chunks, cuts)
+                key = (HybridMesh(data, pipe, tensor), schedule, m, chunks, cuts)
                 outcomes[key] = (result.makespan + allreduce, memory)
     return outcomes
 
@@ -132,7 +132,7 @@ def test_memory_cap_below_every_layout_leaves_none():
 def test_step_time_is_pipeline_makespan_plus_ring_allreduce_of_the_gradients():
     costs = _costs(num_blocks=4, tensor_sizes=(1,))
     blocks = blocks_at(costs, 4, 1, HARDWARE)
-    layout = score_layout(blocks, DeviceMesh(data=2, pipe=2), "1f1b", 2, 1, (2,), HARDWARE)
+    layout = score_layout(blocks, HybridMesh(data=2, pipe=2), "1f1b", 2, 1, (2,), HARDWARE)
     gradient_bytes = 4 * max(
         blocks[0].params + blocks[1].params, blocks[2].params + blocks[3].params
     )
@@ -162,7 +162,7 @@ def test_tensor_meshes_appear_for_supported_sizes_alone_and_mixed_without_chunks
     layouts = search_layouts(_costs(tensor_sizes=(1,)), 4, GLOBAL_BATCH, HARDWARE)
     assert all(layout.mesh.tensor == 1 for layout in layouts)
     layouts = search_layouts(_costs(tensor_sizes=(1, 2)), 8, GLOBAL_BATCH, HARDWARE)
-    three_d = [layout for layout in layouts if layout.mesh == DeviceMesh(2, 2, 2)]
+    three_d = [layout for layout in layouts if layout.mesh == HybridMesh(2, 2, 2)]
     assert three_d and all(layout.chunks == 1 for layout in three_d)
 
 
@@ -274,7 +274,7 @@ def test_plan_script_with_no_fitting_layout_says_what_to_change(tmp_path):
 def test_top_pipeline_layout_flags_train_with_train_py(tmp_path):
     costs = _costs(num_blocks=4, tensor_sizes=(1,))
     layouts = search_layouts(costs, 2, GLOBAL_BATCH, HARDWARE)
-    top_pipeline = next(layout for layout in layouts if layout.mesh == DeviceMesh(pipe=2))
+    top_pipeline = next(layout for layout in layouts if layout.mesh == HybridMesh(pipe=2))
     flags = train_flags(top_pipeline, costs, GLOBAL_BATCH)
     assert flags[0] == "--strategy=pipeline"
     result = run_script(
@@ -298,9 +298,9 @@ def test_shared_compute_makes_a_step_at_least_every_devices_work_added_up():
     blocks = blocks_at(costs, 8, 1, HARDWARE)
     whole_batch_work = sum(b.forward_time + b.backward_time for b in blocks)
     shared = Hardware(bandwidth=HARDWARE.bandwidth, shared_compute=True)
-    mirrored = score_layout(blocks, DeviceMesh(data=2), None, 1, 1, (), shared)
-    pipelined = score_layout(blocks, DeviceMesh(pipe=2), "1f1b", 4, 1, (2,), shared)
+    mirrored = score_layout(blocks, HybridMesh(data=2), None, 1, 1, (), shared)
+    pipelined = score_layout(blocks, HybridMesh(pipe=2), "1f1b", 4, 1, (2,), shared)
     assert mirrored.pipeline_time == pytest.approx(2 * whole_batch_work)
     assert pipelined.pipeline_time == pytest.approx(4 * whole_batch_work)
-    independent = score_layout(blocks, DeviceMesh(pipe=2), "1f1b", 4, 1, (2,), HARDWARE)
+    independent = score_layout(blocks, HybridMesh(pipe=2), "1f1b", 4, 1, (2,), HARDWARE)
     assert independent.pipeline_time < pipelined.pipeline_time

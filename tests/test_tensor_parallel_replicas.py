@@ -14,7 +14,7 @@ from tfmulti.models.transformer import TransformerBlock
 from tfmulti.parallel import resolve_shard_devices, tensor_reduction_scope, unsplit_weights
 from tfmulti.planner import Hardware, blocks_at, score_layout, tensor_group_bytes
 from tfmulti.planner.measure import measure_model_costs
-from tfmulti.platform.mesh import DeviceMesh
+from tfmulti.platform.mesh import HybridMesh
 from tfmulti.tensor_parallel.shard_devices import device_key
 from tfmulti.tensor_parallel.transfer_bytes import (
     collective_bytes,
@@ -167,7 +167,7 @@ def test_every_device_ends_each_reduction_with_the_whole_sum_and_step_equals_one
 def test_planner_tensor_bytes_equal_the_measured_graph_bytes_of_a_hybrid_layout():
     options = {"num_layers": 4, "d_model": 32, "num_heads": 4}
     costs = measure_model_costs("transformer", "tokens", options, batch_sizes=(2, 4), rounds=1)
-    mesh = DeviceMesh(data=2, pipe=2, tensor=2)
+    mesh = HybridMesh(data=2, pipe=2, tensor=2)
     global_batch, num_microbatches, boundaries = 8, 2, (3,)
     microbatch = global_batch // mesh.data // num_microbatches
     layout = score_layout(

@@ -17,7 +17,7 @@ from tfmulti.pipeline.runtime.pipeline_model import PipelineModel
 from tfmulti.pipeline.stages.block_partition import partition_blocks, stages_from_blocks
 from tfmulti.platform.cluster import ClusterInfo, resolve_cluster
 from tfmulti.platform.devices import logical_device_names
-from tfmulti.platform.mesh import DeviceMesh, MeshError, parse_mesh
+from tfmulti.platform.mesh import HybridMesh, MeshError, parse_mesh
 
 
 def resolve_hybrid_cluster(
@@ -67,7 +67,7 @@ def local_device_names(cluster: ClusterInfo | None = None) -> list[str]:
 
 def build_hybrid_model(
     make_blocks: Callable[[], Sequence[keras.layers.Layer]],
-    mesh: DeviceMesh | str,
+    mesh: HybridMesh | str,
     num_microbatches: int,
     schedule: str = "1f1b",
     chunks: int = 1,
@@ -89,7 +89,7 @@ def build_hybrid_model(
     Args:
         make_blocks: returns the model's unbuilt blocks in order, the same model at every
             call (e.g. a seeded `tfmulti.models.registry.build_blocks`); called once per replica.
-        mesh: a `DeviceMesh` or text like "data=2,pipe=2".
+        mesh: a `HybridMesh` or text like "data=2,pipe=2".
         num_microbatches: micro-batches per replica per step (m).
         schedule: "gpipe", "1f1b", "interleaved_1f1b", "zb_h1" or "zb_h2".
         chunks: stages per device (v), for "interleaved_1f1b".
@@ -151,7 +151,7 @@ def build_hybrid_model(
     )
 
 
-def _check_tensor_split(mesh: DeviceMesh, make_split_blocks, chunks: int) -> None:
+def _check_tensor_split(mesh: HybridMesh, make_split_blocks, chunks: int) -> None:
     if make_split_blocks is None:
         raise MeshError(
             f"Mesh {mesh} splits each stage's layers over tensor={mesh.tensor} devices, which "
@@ -167,7 +167,7 @@ def _check_tensor_split(mesh: DeviceMesh, make_split_blocks, chunks: int) -> Non
 
 def build_hybrid_model_from_model(
     model: keras.Model,
-    mesh: DeviceMesh | str,
+    mesh: HybridMesh | str,
     num_microbatches: int,
     schedule: str = "1f1b",
     chunks: int = 1,
@@ -261,13 +261,13 @@ def stage_boundaries(stages: Sequence[keras.layers.Layer]) -> list[int]:
 
 
 def _hybrid_layout(
-    mesh: DeviceMesh | str,
+    mesh: HybridMesh | str,
     devices: Sequence[str] | None,
     cluster: ClusterInfo | None,
     communication: str,
     collective_timeout: float | None,
-) -> tuple[DeviceMesh, list[list[list[str]]], WorkerCollectives | None]:
-    """The mesh, each local replica's stage device groups (`DeviceMesh.stage_device_groups`),
+) -> tuple[HybridMesh, list[list[list[str]]], WorkerCollectives | None]:
+    """The mesh, each local replica's stage device groups (`HybridMesh.stage_device_groups`),
     and the collectives across workers."""
     mesh = parse_mesh(mesh) if isinstance(mesh, str) else mesh
     devices = list(devices) if devices is not None else local_device_names(cluster)

@@ -48,7 +48,7 @@ class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, 
             the others (and, across workers, the chief's into every worker's). None when
             `make_pipeline` makes the replicas.
         replica_devices: per local replica, the device of each of its p pipeline devices,
-            e.g. from `DeviceMesh.replica_devices`.
+            e.g. from `HybridMesh.replica_devices`.
         num_microbatches: micro-batches each replica splits its part into per step (m).
         schedule: any `PipelineModel` schedule: "gpipe", "1f1b", "interleaved_1f1b",
             "zb_h1", "zb_h2", schedule text, or a `Schedule`.

@@ -19,7 +19,7 @@ from tfmulti.pipeline.balance import Block
 from tfmulti.pipeline.schedules import build_schedule
 from tfmulti.pipeline.simulate import CostModel, StageCost, simulate
 from tfmulti.planner.costs import GRADIENT_BYTES_PER_PARAM, Hardware, ring_allreduce_seconds
-from tfmulti.platform.mesh import DeviceMesh
+from tfmulti.platform.mesh import HybridMesh
 
 # The schedule a one-device "pipeline" runs: one forward, one backward.
 NO_PIPELINE = "gpipe"
@@ -43,7 +43,7 @@ class Layout:
         peak_memory: bytes on the fullest device.
     """
 
-    mesh: DeviceMesh
+    mesh: HybridMesh
     schedule: str | None
     num_microbatches: int
     chunks: int
@@ -62,7 +62,7 @@ class Layout:
 
 def score_layout(
     blocks: Sequence[Block],
-    mesh: DeviceMesh,
+    mesh: HybridMesh,
     schedule: str | None,
     num_microbatches: int,
     chunks: int,
@@ -86,7 +86,7 @@ def score_layout(
 
     Example:
         >>> blocks = [Block(1, 2, params=10), Block(1, 2, params=10)]
-        >>> score_layout(blocks, DeviceMesh(pipe=2), "1f1b", 4, 1, (1,), Hardware()).pipeline_time
+        >>> score_layout(blocks, HybridMesh(pipe=2), "1f1b", 4, 1, (1,), Hardware()).pipeline_time
         15.0
     """
     num_stages = mesh.pipe * chunks

@@ -18,7 +18,7 @@ from tfmulti.pipeline.balance import Block, balance
 from tfmulti.pipeline.schedules import SCHEDULE_NAMES, build_schedule
 from tfmulti.planner.costs import Hardware, ModelCosts, blocks_at
 from tfmulti.planner.scoring import Layout, score_layout
-from tfmulti.platform.mesh import DeviceMesh
+from tfmulti.platform.mesh import HybridMesh
 
 # Up to this many contiguous splits per pipeline shape, all are simulated (exact optimum);
 # beyond it, only the balancer's.
@@ -28,7 +28,7 @@ INTERLEAVED = "interleaved_1f1b"
 
 def meshes(
     num_devices: int, tensor_sizes: Sequence[int] = (1,), allow_fewer_devices: bool = False
-) -> list[DeviceMesh]:
+) -> list[HybridMesh]:
     """Every runnable data x pipe x tensor arrangement of `num_devices` (or of fewer, if allowed).
 
     A tensor group alone runs as `--strategy=model_parallel --tensor_parallel=K`; mixed
@@ -48,7 +48,7 @@ def meshes(
         for tensor in sorted(size for size in set(tensor_sizes) if count % size == 0):
             for data in _divisors(count // tensor):
                 pipe = count // tensor // data
-                found.append(DeviceMesh(data=data, pipe=pipe, tensor=tensor))
+                found.append(HybridMesh(data=data, pipe=pipe, tensor=tensor))
     return sorted(found, key=lambda mesh: (mesh.num_devices, mesh.tensor, mesh.data))
 
 
@@ -126,7 +126,7 @@ def _pipeline_shapes(
 
 def _best_split(
     blocks: Sequence[Block],
-    mesh: DeviceMesh,
+    mesh: HybridMesh,
     schedule: str | None,
     num_microbatches: int,
     chunks: int,

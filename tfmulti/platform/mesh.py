@@ -19,8 +19,10 @@ class MeshError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class DeviceMesh:
-    """A data x pipe x tensor grid of devices.
+class HybridMesh:
+    """A data x pipe x tensor grid of devices of `--strategy=hybrid` (`--mesh`).
+
+    Not `keras.distribution.DeviceMesh`, which names devices along named axes.
 
     Args:
         data: data-parallel replicas, over all workers.
@@ -137,7 +139,7 @@ class DeviceMesh:
         ]
 
 
-def parse_mesh(text: str) -> DeviceMesh:
+def parse_mesh(text: str) -> HybridMesh:
     """Reads a mesh like "data=2,pipe=2" or "data=4,pipe=2,tensor=1"; absent axes are 1.
 
     Raises:
@@ -145,7 +147,7 @@ def parse_mesh(text: str) -> DeviceMesh:
 
     Example:
         >>> parse_mesh("pipe=4")
-        DeviceMesh(data=1, pipe=4, tensor=1)
+        HybridMesh(data=1, pipe=4, tensor=1)
     """
     sizes = {}
     for part in str(text).split(","):
@@ -166,4 +168,4 @@ def parse_mesh(text: str) -> DeviceMesh:
             sizes[axis] = int(value)
         except ValueError:
             sizes[axis] = value.strip()
-    return DeviceMesh(**sizes)
+    return HybridMesh(**sizes)
