@@ -2,6 +2,7 @@ r"""`tfmulti-launch`: run a training command as a local multi-worker cluster.
 
 Usage:
     tfmulti-launch --num_workers=2 [--devices_per_worker=2] [--max_restarts=1] \
+        [--isolation=auto|namespace|none] \
         -- python scripts/train.py --strategy=multi_worker --model_dir=/tmp/run
 """
 
@@ -11,7 +12,7 @@ import sys
 from absl import app, flags
 
 from tfmulti.flags.parsing import parse_flags_or_exit
-from tfmulti.platform import launcher
+from tfmulti.platform import launcher, network_isolation
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_workers", None, "Worker processes to start (>= 1).", lower_bound=1)
@@ -27,6 +28,15 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_float(
     "grace_seconds", 10.0, "Seconds between SIGTERM and SIGKILL when stopping workers."
+)
+flags.DEFINE_enum(
+    "isolation",
+    None,
+    network_isolation.ISOLATIONS,
+    "auto: the workers run in a private network holding only loopback where Linux allows "
+    "it, else start with a one-line warning naming their open ports; namespace: refuse to "
+    "start without that network; none: no private network (warns). Default: "
+    f"${network_isolation.ISOLATION_VARIABLE}, else auto.",
 )
 flags.mark_flag_as_required("num_workers")
 flags.register_validator(
@@ -49,6 +59,7 @@ def _launch(argv: list[str]) -> None:
             devices_per_worker=FLAGS.devices_per_worker,
             max_restarts=FLAGS.max_restarts,
             grace_seconds=FLAGS.grace_seconds,
+            isolation=FLAGS.isolation,
         )
     )
 

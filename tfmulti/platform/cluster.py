@@ -16,6 +16,10 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 
+from absl import logging
+
+from tfmulti.platform import network_isolation
+
 COMMUNICATIONS = ("auto", "ring", "nccl")
 # MultiWorkerMirroredStrategy knows these jobs; a "chief" job, if present, is worker 0.
 _JOBS_IN_RANK_ORDER = ("chief", "worker")
@@ -221,6 +225,8 @@ def build_multi_worker_strategy(
     ):
         if value is not None and value <= 0:
             raise ClusterError(f"{name} must be positive or None. Received: {name}={value}")
+    if cluster.is_chief:
+        _log_exposure(cluster)
     import tensorflow as tf
 
     implementation = {
@@ -250,6 +256,23 @@ def build_multi_worker_strategy(
         if watchdog is not None:
             watchdog.stdin.close()  # tells the watchdog to stand down
             watchdog.wait()
+
+
+def _log_exposure(cluster: ClusterInfo) -> None:
+    # A launch in a private network (only loopback) is out of everyone else's reach; any
+    # other cluster is reachable by whoever reaches its hosts, so the chief says so once.
+    if network_isolation.has_only_loopback():
+        return
+    logging.log_first_n(
+        logging.WARNING,
+        "This job's %d workers (cluster from %s) listen on %s, on every interface of their "
+        "hosts, with no authentication: whoever reaches these ports can run operations in "
+        "the workers. Run only on a trusted network (docs/guide/multi_worker.md#security).",
+        1,
+        cluster.num_workers,
+        cluster.source,
+        ", ".join(cluster.worker_addresses),
+    )
 
 
 # TensorFlow waits for peers in C++ without releasing the GIL, so neither a thread

@@ -3,7 +3,9 @@
 Each worker gets its own process group, loopback port and `TF_CONFIG`. If any
 worker fails, the others are stopped (SIGTERM, then SIGKILL after a grace
 period) and the failure is reported; optionally the whole group restarts with
-fresh ports. No TensorFlow is imported here.
+fresh ports. Where Linux allows it, the workers share a private network holding only
+loopback, so their unauthenticated gRPC ports are out of reach of other machines
+(`network_isolation.py`). No TensorFlow is imported here.
 """
 
 from __future__ import annotations
@@ -20,10 +22,16 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from tfmulti.names import PREEMPTED_EXIT_CODE, RESTART_COUNT_VARIABLE
+from tfmulti.platform.network_isolation import (
+    ISOLATION_VARIABLE,
+    ISOLATIONS,
+    IsolationUnavailable,
+    PrivateNetwork,
+)
 
 VIRTUAL_DEVICES_ENV = "TFMULTI_VIRTUAL_DEVICES"
 _POLL_SECONDS = 0.05
@@ -144,6 +152,20 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _worker_setup(network: PrivateNetwork | None) -> Callable[[], None]:
+    """What a worker runs between fork and exec: join the network, then die with the parent."""
+    if network is None:
+        return _die_with_parent
+
+    def setup() -> None:
+        # Set after joining: prctl(2) clears the parent-death signal on credential
+        # changes, and joining a user namespace changes credentials.
+        network.enter()
+        _die_with_parent()
+
+    return setup
+
+
 class _OutputRelay:
     """Copies workers' output to one stream, each line prefixed with the worker's rank.
 
@@ -191,7 +213,13 @@ class _OutputRelay:
 class WorkerGroup:
     """One attempt: the worker processes of a group, started together and stopped together."""
 
-    def __init__(self, command: Sequence[str], environments: list[dict[str, str]], stream: TextIO):
+    def __init__(
+        self,
+        command: Sequence[str],
+        environments: list[dict[str, str]],
+        stream: TextIO,
+        network: PrivateNetwork | None = None,
+    ):
         self._relay = _OutputRelay(stream)
         self.processes: list[subprocess.Popen] = []
         self._threads: list[threading.Thread] = []
@@ -202,7 +230,7 @@ class WorkerGroup:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=_worker_setup(network),
             )
             self.processes.append(process)
             thread = threading.Thread(
@@ -265,6 +293,7 @@ def launch(
     grace_seconds: float = 10.0,
     stream: TextIO | None = None,
     messages: TextIO | None = None,
+    isolation: str | None = None,
 ) -> int:
     """Runs `command` as `num_workers` local workers and returns the exit status (0: success).
 
@@ -278,6 +307,10 @@ def launch(
         grace_seconds: time between SIGTERM and SIGKILL when stopping workers.
         stream: where workers' prefixed output goes; default sys.stdout.
         messages: where the launcher's own messages go; default sys.stderr.
+        isolation: "auto" runs the workers in a private network holding only loopback
+            where Linux allows it, else warns in one line naming the open ports;
+            "namespace" refuses to start (status 1, one line) without that network;
+            "none" warns and does not try. Default: `$TFMULTI_ISOLATION`, else "auto".
 
     Example:
         >>> launch(["python", "train.py", "--strategy=multi_worker"], num_workers=2)
@@ -291,6 +324,21 @@ def launch(
         raise LaunchError(f"grace_seconds must be > 0. Received: grace_seconds={grace_seconds}")
     stream = stream or sys.stdout
     messages = messages or sys.stderr
+    isolation = isolation or os.environ.get(ISOLATION_VARIABLE) or "auto"
+    if isolation not in ISOLATIONS:
+        messages.write(
+            f"launch: {ISOLATION_VARIABLE} must be one of {', '.join(ISOLATIONS)}. "
+            f"Received: {isolation!r}\n"
+        )
+        return 2
+    network, exposed_because = _private_network(isolation)
+    if network is None and isolation == "namespace":
+        messages.write(
+            f"launch: refusing to start workers other machines could reach: {exposed_because}; "
+            "run where unprivileged user namespaces are allowed, "
+            "or use --isolation=auto to start them with a warning\n"
+        )
+        return 1
     num_gpus = visible_gpu_count()
     should_stop = threading.Event()
     received_signals: list[int] = []
@@ -312,7 +360,9 @@ def launch(
                 environment["TMPDIR"] = scratch_root
                 # As torchrun's restart count: a restarted worker knows to resume its run.
                 environment[RESTART_COUNT_VARIABLE] = str(attempt)
-            group = WorkerGroup(command, environments, stream)
+            if network is None:
+                messages.write(_exposure_warning(exposed_because, environments))
+            group = WorkerGroup(command, environments, stream, network)
             failure = group.wait(should_stop)
             # A preempted worker's peers save at the same step and exit by themselves.
             group.stop(grace_seconds, terminate=not (failure and failure.preempted))
@@ -337,3 +387,25 @@ def launch(
         for signum, handler in previous_handlers.items():
             signal.signal(signum, handler)
         shutil.rmtree(scratch_root, ignore_errors=True)
+        if network is not None:
+            network.close()
+
+
+def _private_network(isolation: str) -> tuple[PrivateNetwork | None, str]:
+    """The launch's private network, or None and why the workers will be exposed."""
+    if isolation == "none":
+        return None, f"isolation is none (--isolation or {ISOLATION_VARIABLE})"
+    try:
+        return PrivateNetwork(), ""
+    except IsolationUnavailable as error:
+        return None, f"no private network ({error})"
+
+
+def _exposure_warning(exposed_because: str, environments: list[dict[str, str]]) -> str:
+    addresses = json.loads(environments[0]["TF_CONFIG"])["cluster"]["worker"]
+    ports = ", ".join(address.rpartition(":")[2] for address in addresses)
+    return (
+        f"launch: {exposed_because}: the workers' unauthenticated TensorFlow ports {ports} "
+        "listen on every interface; close them with a firewall, or run where unprivileged "
+        "user namespaces are allowed (--isolation=namespace refuses instead)\n"
+    )
