@@ -1,6 +1,8 @@
 """Test set-up: split the CPU into logical devices before TensorFlow initialises."""
 
+import fcntl
 import os
+import shutil
 import sys
 
 import pytest
@@ -18,13 +20,37 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
-def one_device_metrics(tmp_path_factory):
+def shared_dir(tmp_path_factory):
+    """`shared_dir(name, fill)`: the directory `name`, which `fill(path)` writes once per test
+    session, in whichever xdist worker asks first; every later ask, in any worker, waits for
+    it and gets it as it is. Only for runs that tests read and never write."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's directory, above each worker's own
+
+    def get(name: str, fill) -> str:
+        directory = root / f"shared-{name}"
+        with open(root / f"shared-{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (directory / ".filled").exists():
+                shutil.rmtree(directory, ignore_errors=True)  # a failed fill's leftovers
+                directory.mkdir()
+                fill(str(directory))
+                (directory / ".filled").touch()
+        return str(directory)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def one_device_metrics(shared_dir):
     """metrics.json of `scripts/train.py --strategy=one_device` on the shared small run."""
     from script_runner import TWO_EPOCHS, read_metrics, run_script
 
-    model_dir = str(tmp_path_factory.mktemp("one_device"))
-    result = run_script(
-        "train.py", *TWO_EPOCHS, "--strategy=one_device", f"--model_dir={model_dir}"
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return read_metrics(model_dir)
+    def fill(model_dir: str) -> None:
+        result = run_script(
+            "train.py", *TWO_EPOCHS, "--strategy=one_device", f"--model_dir={model_dir}"
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    return read_metrics(shared_dir("one_device_two_epochs", fill))

@@ -67,8 +67,9 @@ STRATEGIES = {
         "--schedule=1f1b",
     ),
 }
-# Each strategy is stopped once, by SIGKILL or by SIGTERM (both resume from a step checkpoint).
-KILLED = ["one_device", "mirrored_batchnorm", "pipeline", "keras_model_parallel", "hybrid_3d"]
+# Each strategy is stopped once, by SIGKILL or by SIGTERM (both resume from a step checkpoint
+# that StepCheckpoint.save wrote): one_device by SIGKILL in the damaged-checkpoint test below.
+KILLED = ["mirrored_batchnorm", "keras_model_parallel", "hybrid_3d"]
 PREEMPTED = ["pipeline", "model_parallel", "hybrid"]
 
 
@@ -131,19 +132,17 @@ def kill_after_step_checkpoint(
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(shared_dir):
     """`uninterrupted(strategy)`: the model_dir of that strategy's run, never stopped."""
-    runs = {}
 
     def run(name: str) -> str:
-        if name not in runs:
-            model_dir = str(tmp_path_factory.mktemp(f"whole-{name}"))
+        def fill(model_dir: str) -> None:
             result = run_script(
                 "train.py", *RUN, *STRATEGIES[name], f"--model_dir={model_dir}", env=USER_CODE_ENV
             )
             assert result.returncode == 0, result.stderr[-3000:]
-            runs[name] = model_dir
-        return runs[name]
+
+        return shared_dir(f"exact_resume-whole-{name}", fill)
 
     return run
 
@@ -186,7 +185,11 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_in_one_line(
     ]
     assert len(fallback_lines) == 1
     assert os.path.basename(newest_state) in fallback_lines[0]
-    assert read_metrics(model_dir)["resumes"][0]["step"] > 0
+    # The killed run resumes mid-epoch at the previous step checkpoint, as if never stopped.
+    resumes = read_metrics(model_dir)["resumes"]
+    assert len(resumes) == 1
+    assert resumes[0]["epoch"] == 1 and resumes[0]["step"] % 7 == 0 and resumes[0]["step"] > 0
+    assert f"Resuming at epoch 1, step {resumes[0]['step']} (from " in resumed.stderr
     assert_same_run(model_dir, uninterrupted("one_device"))
 
 

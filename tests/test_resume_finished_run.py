@@ -37,23 +37,31 @@ NOTHING_LEFT = "Nothing left to train"
 
 
 @pytest.fixture(scope="module")
-def user_env(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("user_project")
-    (directory / "user_rows.py").write_text(USER_MODULE)
-    return {"PYTHONPATH": str(directory)}
+def user_env(shared_dir):
+    def fill(directory: str) -> None:
+        with open(os.path.join(directory, "user_rows.py"), "w") as handle:
+            handle.write(USER_MODULE)
+
+    return {"PYTHONPATH": shared_dir("resume_finished-user_project", fill)}
 
 
 @pytest.fixture(scope="module")
-def finished_runs(tmp_path_factory, user_env):
-    """The model_dir of a completed two-epoch run of each dataset."""
-    runs = {}
-    for name, dataset in DATASETS.items():
-        model_dir = str(tmp_path_factory.mktemp(f"finished_{name}") / "run")
-        result = run_script("train.py", *RUN, dataset, f"--model_dir={model_dir}", env=user_env)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert read_metrics(model_dir)["status"] == "completed"
-        runs[name] = model_dir
-    return runs
+def finished_run(shared_dir, user_env):
+    """`finished_run(dataset)`: the model_dir of a completed two-epoch run of that dataset,
+    which tests copy before they resume it."""
+
+    def run(name: str) -> str:
+        def fill(directory: str) -> None:
+            model_dir = f"{directory}/run"
+            result = run_script(
+                "train.py", *RUN, DATASETS[name], f"--model_dir={model_dir}", env=user_env
+            )
+            assert result.returncode == 0, result.stderr[-3000:]
+            assert read_metrics(model_dir)["status"] == "completed"
+
+        return f"{shared_dir(f'resume_finished-{name}', fill)}/run"
+
+    return run
 
 
 def _copy(model_dir: str, tmp_path) -> str:
@@ -96,19 +104,19 @@ def _assert_nothing_trained(result, model_dir: str, before: dict[str, bytes]) ->
 
 @pytest.mark.parametrize("dataset", sorted(DATASETS))
 def test_resuming_a_finished_run_says_so_and_leaves_every_file_as_it_was(
-    tmp_path, finished_runs, user_env, dataset
+    tmp_path, finished_run, user_env, dataset
 ):
-    model_dir = _copy(finished_runs[dataset], tmp_path)
+    model_dir = _copy(finished_run(dataset), tmp_path)
     before = _contents(model_dir)
     _assert_nothing_trained(_resume(model_dir, dataset, user_env), model_dir, before)
 
 
 def test_resuming_a_run_killed_after_its_last_step_leaves_every_file_as_it_was(
-    tmp_path, finished_runs, user_env
+    tmp_path, finished_run, user_env
 ):
     # A kill after the last epoch's checkpoint but before the final evaluation leaves
     # the record of a run still going.
-    model_dir = _copy(finished_runs["synthetic"], tmp_path)
+    model_dir = _copy(finished_run("synthetic"), tmp_path)
     metrics = read_metrics(model_dir)
     metrics.update(status="running", final={})
     with open(os.path.join(model_dir, "metrics.json"), "w") as handle:
@@ -117,8 +125,8 @@ def test_resuming_a_run_killed_after_its_last_step_leaves_every_file_as_it_was(
     _assert_nothing_trained(_resume(model_dir, "synthetic", user_env), model_dir, before)
 
 
-def test_resuming_a_finished_run_with_more_epochs_trains_on(tmp_path, finished_runs, user_env):
-    model_dir = _copy(finished_runs["synthetic"], tmp_path)
+def test_resuming_a_finished_run_with_more_epochs_trains_on(tmp_path, finished_run, user_env):
+    model_dir = _copy(finished_run("synthetic"), tmp_path)
     finished = read_metrics(model_dir)
     result = _resume(model_dir, "synthetic", user_env, "--epochs=3")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -96,14 +96,21 @@ STRATEGIES = {
 
 
 @pytest.fixture(scope="module")
-def user_project(tmp_path_factory):
+def user_project(shared_dir):
     """A folder with the user's module and a TFRecord file of the documented format."""
-    directory = tmp_path_factory.mktemp("user_project")
-    (directory / "user_batches.py").write_text(USER_MODULE)
-    rng = np.random.default_rng(1)
-    records = str(directory / "examples.tfrecord")
-    write_tfrecord_examples(records, rng.normal(size=(360, 8, 8, 1)), rng.integers(0, 10, size=360))
-    return directory, records
+
+    def fill(directory: str) -> None:
+        with open(os.path.join(directory, "user_batches.py"), "w") as handle:
+            handle.write(USER_MODULE)
+        rng = np.random.default_rng(1)
+        write_tfrecord_examples(
+            os.path.join(directory, "examples.tfrecord"),
+            rng.normal(size=(360, 8, 8, 1)),
+            rng.integers(0, 10, size=360),
+        )
+
+    directory = shared_dir("same_batches-user_project", fill)
+    return directory, os.path.join(directory, "examples.tfrecord")
 
 
 def _train_args(user_project, dataset: str, model_dir: str) -> tuple[list[str], str]:
@@ -128,19 +135,22 @@ def _step_losses(model_dir: str) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def one_device_losses(user_project, tmp_path_factory):
-    """Per-step losses of the one-device run of each dataset."""
-    losses = {}
-    for dataset in DATASETS:
-        model_dir = str(tmp_path_factory.mktemp(f"one_device_{dataset}") / "run")
-        args, _ = _train_args(user_project, dataset, model_dir)
-        result = run_script(
-            "train.py", *args, "--strategy=one_device", env=_environment(user_project)
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert "Traceback" not in result.stderr
-        losses[dataset] = _step_losses(model_dir)
-        assert len(losses[dataset]) == STEPS
+def one_device_losses(user_project, shared_dir):
+    """`one_device_losses(dataset)`: per-step losses of the one-device run of that dataset."""
+
+    def losses(dataset: str) -> list[float]:
+        def fill(directory: str) -> None:
+            args, _ = _train_args(user_project, dataset, f"{directory}/run")
+            result = run_script(
+                "train.py", *args, "--strategy=one_device", env=_environment(user_project)
+            )
+            assert result.returncode == 0, result.stderr[-3000:]
+            assert "Traceback" not in result.stderr
+
+        step_losses = _step_losses(f"{shared_dir(f'same_batches-one_device-{dataset}', fill)}/run")
+        assert len(step_losses) == STEPS
+        return step_losses
+
     return losses
 
 
@@ -156,7 +166,7 @@ def test_every_strategy_trains_on_the_one_device_batches_step_by_step(
     result = run_script("train.py", *args, *STRATEGIES[strategy], env=_environment(user_project))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
-    assert _step_losses(model_dir) == pytest.approx(one_device_losses[dataset], rel=1e-4)
+    assert _step_losses(model_dir) == pytest.approx(one_device_losses(dataset), rel=1e-4)
 
 
 @pytest.mark.parametrize("dataset", sorted(DATASETS))
@@ -168,7 +178,7 @@ def test_two_launched_workers_train_on_the_one_device_batches_step_by_step(
     args, _ = _train_args(user_project, dataset, model_dir)
     code, output = launch_training(*args, "--strategy=multi_worker", devices_per_worker=1)
     assert code == 0, output[-3000:]
-    assert _step_losses(model_dir) == pytest.approx(one_device_losses[dataset], rel=1e-4)
+    assert _step_losses(model_dir) == pytest.approx(one_device_losses(dataset), rel=1e-4)
 
 
 def _reshuffled_rows() -> tf.data.Dataset:

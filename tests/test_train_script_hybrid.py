@@ -109,14 +109,16 @@ TRANSFORMER = (
 
 
 @pytest.fixture(scope="module")
-def transformer_on_one_device(tmp_path_factory):
+def transformer_on_one_device(shared_dir):
     """metrics.json of the small Transformer trained on one device."""
-    reference_dir = str(tmp_path_factory.mktemp("transformer_one_device"))
-    reference = run_script(
-        "train.py", *TRANSFORMER, "--strategy=one_device", f"--model_dir={reference_dir}"
-    )
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    return read_metrics(reference_dir)
+
+    def fill(reference_dir: str) -> None:
+        reference = run_script(
+            "train.py", *TRANSFORMER, "--strategy=one_device", f"--model_dir={reference_dir}"
+        )
+        assert reference.returncode == 0, reference.stderr[-3000:]
+
+    return read_metrics(shared_dir("hybrid-transformer_one_device", fill))
 
 
 @pytest.mark.parametrize("reduction", ["ring", "collective"])

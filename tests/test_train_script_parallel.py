@@ -161,6 +161,7 @@ def test_pipelined_transformer_trains_under_mixed_precision(tmp_path, dtype):
         "--batch_size=16",
         "--epochs=1",
         "--steps_per_epoch=3",
+        "--validation_steps=1",
         f"--model_dir={model_dir}",
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -99,40 +99,47 @@ PLATEAU = (
 
 
 @pytest.fixture(scope="module")
-def user_env(tmp_path_factory):
+def user_env(shared_dir):
     """Environment with the user's module on PYTHONPATH."""
-    directory = tmp_path_factory.mktemp("user_project")
-    (directory / "user_hooks.py").write_text(USER_MODULE)
-    return {"PYTHONPATH": os.pathsep.join([str(directory), os.environ.get("PYTHONPATH", "")])}
+
+    def fill(directory: str) -> None:
+        with open(os.path.join(directory, "user_hooks.py"), "w") as handle:
+            handle.write(USER_MODULE)
+
+    directory = shared_dir("user_hooks-user_project", fill)
+    return {"PYTHONPATH": os.pathsep.join([directory, os.environ.get("PYTHONPATH", "")])}
+
+
+def _train_plateau(user_env: dict, strategy: str, directory: str) -> None:
+    """Trains the PLATEAU run under `strategy` into `directory`/run."""
+    model_dir = f"{directory}/run"
+    if strategy == "multi_worker":
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("PYTHONPATH", user_env["PYTHONPATH"])
+            code, output = launch_training(
+                *PLATEAU,
+                "--strategy=multi_worker",
+                f"--model_dir={model_dir}",
+                devices_per_worker=1,
+            )
+        assert code == 0, output[-3000:]
+    else:
+        flags = {
+            "one_device": ("--strategy=one_device",),
+            "pipeline": ("--strategy=pipeline", "--virtual_devices=2"),
+        }[strategy]
+        result = run_script("train.py", *PLATEAU, *flags, f"--model_dir={model_dir}", env=user_env)
+        assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
-def plateau_run(user_env, tmp_path_factory):
+def plateau_run(user_env, shared_dir):
     """metrics.json of the PLATEAU run under a strategy, each run once."""
 
     @functools.cache
     def run(strategy: str) -> dict:
-        model_dir = str(tmp_path_factory.mktemp(strategy) / "run")
-        if strategy == "multi_worker":
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setenv("PYTHONPATH", user_env["PYTHONPATH"])
-                code, output = launch_training(
-                    *PLATEAU,
-                    "--strategy=multi_worker",
-                    f"--model_dir={model_dir}",
-                    devices_per_worker=1,
-                )
-            assert code == 0, output[-3000:]
-        else:
-            flags = {
-                "one_device": ("--strategy=one_device",),
-                "pipeline": ("--strategy=pipeline", "--virtual_devices=2"),
-            }[strategy]
-            result = run_script(
-                "train.py", *PLATEAU, *flags, f"--model_dir={model_dir}", env=user_env
-            )
-            assert result.returncode == 0, result.stderr[-3000:]
-        return read_metrics(model_dir)
+        fill = functools.partial(_train_plateau, user_env, strategy)
+        return read_metrics(f"{shared_dir(f'user_hooks-plateau-{strategy}', fill)}/run")
 
     return run
 
