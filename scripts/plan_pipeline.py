@@ -4,10 +4,16 @@ Examples:
   python scripts/plan_pipeline.py --schedule=1f1b --stages=4 --microbatches=8 --out=/tmp/plan
   python scripts/plan_pipeline.py --schedule=interleaved_1f1b --chunks=2 --costs=1,2,1
   python scripts/plan_pipeline.py --compare --stages=4 --microbatches=8 --json
+  python scripts/plan_pipeline.py --schedule=zbv --stages=4 --write_csv=/tmp/zbv.csv
+  python scripts/plan_pipeline.py --schedule_file=/tmp/zbv.csv
 
 --stages is the pipeline depth p (devices). With --chunks=v the model has p·v stages, v on
-each device. Costs are per device-stage (one p-th of the model); interleaved schedules
-split each into v equal chunks.
+each device (zbv: always 2, in a V). Costs are per device-stage (one p-th of the model);
+chunked schedules split each into v equal chunks.
+
+--schedule_file reads a .csv in PyTorch's compute_only format (one row per device, actions
+like 0F0,1I0,1W0) or any other file in tfmulti's compact text form; --write_csv writes the
+planned schedule as such a CSV, which scripts/train.py --schedule=FILE.csv runs.
 
 --costs is either "F,B,W" (or "F,B", W = B/2), uniform over stages, or a JSON file:
   {"forward": 1, "backward": 2, "weight_grad": 1, "activation_bytes": 1, "transfer": 0}
@@ -33,24 +39,34 @@ from tfmulti.pipeline import (
     CostModel,
     StageCost,
     build_schedule,
+    read_schedule_csv,
     schedule_from_text,
     schedule_grid,
     simulate,
     validate_schedule,
+    write_schedule_csv,
 )
+from tfmulti.pipeline.schedules import CHUNKED_SCHEDULES
 
 FLAGS = flags.FLAGS
 
 flags.DEFINE_enum("schedule", "1f1b", SCHEDULE_NAMES, "Schedule to plan.")
 flags.DEFINE_string(
-    "schedule_file", None, "A custom schedule in the compact text form; replaces --schedule."
+    "schedule_file",
+    None,
+    "A custom schedule: a PyTorch compute_only .csv, or the compact text form; replaces "
+    "--schedule.",
+)
+flags.DEFINE_string(
+    "write_csv", None, "Write the planned schedule to this file as PyTorch's compute_only CSV."
 )
 flags.DEFINE_integer("stages", 4, "Pipeline depth p: number of devices.", lower_bound=1)
 flags.DEFINE_integer("microbatches", 8, "Micro-batches per step m.", lower_bound=1)
 flags.DEFINE_integer(
     "chunks",
     None,
-    "Model chunks per device v, for interleaved_1f1b (default 2); the model has p·v stages.",
+    "Model chunks per device v, for interleaved_1f1b (default 2) and zbv (2 only); the "
+    "model has p·v stages.",
     lower_bound=1,
 )
 flags.DEFINE_string("costs", "1,2,1", "'F,B,W', 'F,B' or a JSON file (see --help).")
@@ -74,11 +90,19 @@ flags.register_validator(
 
 @flags.multi_flags_validator(
     ["schedule", "chunks", "compare", "schedule_file"],
-    message="--chunks applies only to --schedule=interleaved_1f1b (or --compare); drop it",
+    message="--chunks applies only to --schedule=interleaved_1f1b or zbv (or --compare); drop it",
 )
-def _chunks_only_when_interleaved(values):
-    interleaved = values["schedule"] == "interleaved_1f1b" or values["compare"]
-    return values["chunks"] in (None, 1) or interleaved or values["schedule_file"] is not None
+def _chunks_only_when_chunked(values):
+    chunked = values["schedule"] in CHUNKED_SCHEDULES or values["compare"]
+    return values["chunks"] in (None, 1) or chunked or values["schedule_file"] is not None
+
+
+@flags.multi_flags_validator(
+    ["write_csv", "compare"],
+    message="--write_csv writes one schedule; drop --compare or --write_csv",
+)
+def _one_schedule_to_write(values):
+    return not (values["write_csv"] and values["compare"])
 
 
 @flags.multi_flags_validator(
@@ -105,6 +129,7 @@ class PlanConfig:
     transfer: float | None
     out_dir: str | None
     as_json: bool
+    write_csv: str | None = None
 
 
 def _parse_numbers(value: str) -> tuple[float, ...] | None:
@@ -154,14 +179,12 @@ def cost_model_for(schedule, stages: tuple[StageCost, ...], transfer: float) -> 
 def plan_schedules(config: PlanConfig, stages, transfer):
     """Yields (schedule name, simulation result or the reason it was skipped)."""
     if config.schedule_file:
-        with open(config.schedule_file) as schedule_file:
-            schedule = schedule_from_text(schedule_file.read())
-        validate_schedule(schedule)
+        schedule = read_schedule_file(config.schedule_file)
         yield schedule.name, simulate(schedule, cost_model_for(schedule, stages, transfer))
         return
     for name in config.schedules:
         try:
-            chunks = config.chunks if name == "interleaved_1f1b" else None
+            chunks = config.chunks if name in CHUNKED_SCHEDULES else None
             schedule = build_schedule(name, config.num_devices, config.num_microbatches, chunks)
         except ValueError as error:
             if len(config.schedules) == 1:
@@ -169,6 +192,16 @@ def plan_schedules(config: PlanConfig, stages, transfer):
             yield name, f"skipped: {error}"
             continue
         yield name, simulate(schedule, cost_model_for(schedule, stages, transfer))
+
+
+def read_schedule_file(path: str):
+    """The validated schedule in `path`: a PyTorch compute_only .csv, else compact text."""
+    if path.endswith(".csv"):
+        return read_schedule_csv(path)
+    with open(path) as schedule_file:
+        schedule = schedule_from_text(schedule_file.read())
+    validate_schedule(schedule)
+    return schedule
 
 
 def result_summary(result) -> dict:
@@ -255,6 +288,7 @@ def config_from_flags() -> PlanConfig:
         transfer=FLAGS.transfer,
         out_dir=FLAGS.out,
         as_json=FLAGS.json,
+        write_csv=FLAGS.write_csv,
     )
 
 
@@ -272,6 +306,9 @@ def run(config: PlanConfig) -> None:
     if config.out_dir:
         for result in results:
             write_pictures(config.out_dir, result)
+    if config.write_csv:
+        write_schedule_csv(results[0].schedule, config.write_csv)
+        print(f"Schedule written to {config.write_csv}")
 
 
 def main(argv):

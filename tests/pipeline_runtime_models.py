@@ -100,6 +100,47 @@ def regression_batches(num_batches: int, batch_size: int, seed: int = 0):
     ]
 
 
+def optimizer_named(name: str) -> keras.optimizers.Optimizer:
+    """SGD(0.1) for "sgd", Adam(0.01) for "adam": the optimizers equality tests train with."""
+    return keras.optimizers.SGD(0.1) if name == "sgd" else keras.optimizers.Adam(0.01)
+
+
+def train_pipeline_and_chain(
+    make_stages, num_devices, num_microbatches, schedule, chunks, optimizer, steps=3, batch_size=16
+):
+    """Trains the same seeded stages as a `PipelineModel` on `schedule` and as one `Chain`.
+
+    Args:
+        make_stages: `make_stages(num_stages)` builds the stages (twice, same seeds).
+        num_devices: logical CPU devices of the pipeline.
+        num_microbatches: micro-batches per step.
+        schedule: anything `PipelineModel` takes as its schedule.
+        chunks: stages per device; the model has `num_devices * chunks` stages.
+        optimizer: "sgd" or "adam".
+
+    Returns:
+        `(reference, pipeline, initial_pipeline_weights, reference_loss, pipeline_loss)`,
+        the losses of the last step.
+    """
+    from tfmulti.pipeline.runtime import PipelineModel
+    from tfmulti.platform.devices import logical_device_names
+
+    devices = logical_device_names("CPU")[:num_devices]
+    num_stages = num_devices * chunks
+    reference = Chain(make_stages(num_stages))
+    reference.compile(optimizer=optimizer_named(optimizer), loss="mse")
+    pipeline = PipelineModel(make_stages(num_stages), devices, num_microbatches, schedule)
+    pipeline.compile(optimizer=optimizer_named(optimizer), loss="mse")
+    batches = regression_batches(steps, batch_size)
+    pipeline(batches[0][0])
+    reference(batches[0][0])
+    initial = [w.copy() for w in pipeline.get_weights()]
+    for x, y in batches:
+        reference_loss = reference.train_on_batch(x, y)
+        pipeline_loss = pipeline.train_on_batch(x, y)
+    return reference, pipeline, initial, reference_loss, pipeline_loss
+
+
 def max_weight_difference(first: keras.Model, second: keras.Model) -> float:
     return max(
         float(np.max(np.abs(a - b)))

@@ -1,44 +1,14 @@
 """Transparency: training through the pipeline gives the weights one-device training gives."""
 
-import keras
 import numpy as np
 import pytest
 from pipeline_runtime_models import (
-    Chain,
     dense_stages,
     max_weight_difference,
-    regression_batches,
     residual_stages,
+    train_pipeline_and_chain,
     two_tensor_stages,
 )
-
-from tfmulti.pipeline.runtime import PipelineModel
-from tfmulti.platform.devices import logical_device_names
-
-STEPS = 3
-BATCH_SIZE = 16
-
-
-def _optimizer(name):
-    return keras.optimizers.SGD(0.1) if name == "sgd" else keras.optimizers.Adam(0.01)
-
-
-def _train_both(make_stages, num_devices, num_microbatches, schedule, chunks, optimizer):
-    devices = logical_device_names("CPU")[:num_devices]
-    num_stages = num_devices * chunks
-    reference = Chain(make_stages(num_stages))
-    reference.compile(optimizer=_optimizer(optimizer), loss="mse")
-    pipeline = PipelineModel(make_stages(num_stages), devices, num_microbatches, schedule)
-    pipeline.compile(optimizer=_optimizer(optimizer), loss="mse")
-    batches = regression_batches(STEPS, BATCH_SIZE)
-    pipeline(batches[0][0])
-    reference(batches[0][0])
-    initial = [w.copy() for w in pipeline.get_weights()]
-    for x, y in batches:
-        reference_loss = reference.train_on_batch(x, y)
-        pipeline_loss = pipeline.train_on_batch(x, y)
-    return reference, pipeline, initial, reference_loss, pipeline_loss
-
 
 GRID = [
     (schedule, num_devices, num_microbatches, chunks)
@@ -60,7 +30,7 @@ def test_transparency_weights_match_one_device_training(
     schedule, num_devices, num_microbatches, chunks
 ):
     optimizer = "sgd" if num_microbatches == 4 else "adam"
-    reference, pipeline, initial, reference_loss, pipeline_loss = _train_both(
+    reference, pipeline, initial, reference_loss, pipeline_loss = train_pipeline_and_chain(
         dense_stages, num_devices, num_microbatches, schedule, chunks, optimizer
     )
     assert (
@@ -84,7 +54,7 @@ def test_transparency_weights_match_one_device_training(
 def test_transparency_holds_for_residual_blocks_and_two_tensor_boundaries(
     make_stages, schedule, num_devices, num_microbatches
 ):
-    reference, pipeline, initial, reference_loss, pipeline_loss = _train_both(
+    reference, pipeline, initial, reference_loss, pipeline_loss = train_pipeline_and_chain(
         make_stages, num_devices, num_microbatches, schedule, 1, "adam"
     )
     assert max_weight_difference(reference, pipeline) < 1e-5

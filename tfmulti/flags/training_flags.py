@@ -240,6 +240,18 @@ def _parsed_mesh(text: str):
         return None
 
 
+def _is_schedule(value: str) -> bool:
+    return value in SCHEDULE_NAMES or (value.endswith(".csv") and os.path.isfile(value))
+
+
+def _chunks_fit_schedule(schedule: str, chunks: int) -> bool:
+    if schedule == "interleaved_1f1b":
+        return chunks >= 2
+    if schedule == "zbv":
+        return chunks == 2
+    return chunks == 1 or schedule not in SCHEDULE_NAMES
+
+
 def _is_mesh(text: str | None) -> bool:
     return text is None or _parsed_mesh(text) is not None
 
@@ -253,9 +265,24 @@ def define_pipeline_flags() -> None:
     flags.DEFINE_integer(
         "microbatches", 4, "Micro-batches per step; each needs at least one row.", lower_bound=1
     )
-    flags.DEFINE_enum("schedule", "1f1b", SCHEDULE_NAMES, "Pipeline schedule.")
+    flags.DEFINE_string(
+        "schedule",
+        "1f1b",
+        f"Pipeline schedule: one of {', '.join(SCHEDULE_NAMES)}, or a .csv file of actions "
+        "per device in PyTorch's compute_only format (0F0,1I0,1W0,...; one row per device).",
+    )
+    flags.register_validator(
+        "schedule",
+        _is_schedule,
+        message=f"--schedule must be one of {', '.join(SCHEDULE_NAMES)} or an existing .csv "
+        "schedule file",
+    )
     flags.DEFINE_integer(
-        "chunks", 1, "Model chunks per device (interleaved_1f1b needs >= 2).", lower_bound=1
+        "chunks",
+        1,
+        "Model chunks per device: >= 2 with interleaved_1f1b, 2 with zbv, as in the file "
+        "with a .csv schedule.",
+        lower_bound=1,
     )
     flags.DEFINE_string(
         "partition",
@@ -346,8 +373,9 @@ def define_pipeline_flags() -> None:
     )
     flags.register_multi_flags_validator(
         ["schedule", "chunks"],
-        lambda values: (values["schedule"] == "interleaved_1f1b") == (values["chunks"] >= 2),
-        message="--chunks >= 2 goes with --schedule=interleaved_1f1b, and only with it",
+        lambda values: _chunks_fit_schedule(values["schedule"], values["chunks"]),
+        message="--chunks must fit --schedule: >= 2 with interleaved_1f1b, 2 with zbv, 1 with "
+        "the others (a .csv schedule is checked against its file)",
     )
 
 

@@ -8,6 +8,13 @@ import importlib
 from tfmulti.pipeline.actions import ACTION_KINDS, Action, Schedule
 from tfmulti.pipeline.balance import Block, Partition, balance, parse_partition_spec
 from tfmulti.pipeline.dependencies import TimedAction
+from tfmulti.pipeline.schedule_files import (
+    read_schedule_csv,
+    schedule_from_csv,
+    schedule_from_lists,
+    schedule_to_csv,
+    write_schedule_csv,
+)
 from tfmulti.pipeline.schedules import (
     SCHEDULE_NAMES,
     build_schedule,
@@ -16,6 +23,7 @@ from tfmulti.pipeline.schedules import (
     one_f_one_b,
     zb_h1,
     zb_h2,
+    zbv,
 )
 from tfmulti.pipeline.simulate import CostModel, SimulationResult, StageCost, simulate
 from tfmulti.pipeline.text import schedule_from_text, schedule_grid, schedule_to_text
@@ -48,11 +56,17 @@ __all__ = [
     "interleaved_1f1b",
     "one_f_one_b",
     "parse_partition_spec",
+    "read_schedule_csv",
+    "schedule_from_csv",
+    "schedule_from_lists",
     "schedule_from_text",
     "schedule_grid",
+    "schedule_to_csv",
     "schedule_to_text",
     "simulate",
     "validate_schedule",
+    "write_schedule_csv",
     "zb_h1",
     "zb_h2",
+    "zbv",
 ]

@@ -18,8 +18,9 @@ from tfmulti.pipeline.actions import (
     Schedule,
 )
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2")
-_CHUNKED_SCHEDULES = ("interleaved_1f1b",)
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv")
+# Schedules that place several chunks (stages) on each device.
+CHUNKED_SCHEDULES = ("interleaved_1f1b", "zbv")
 
 
 def build_schedule(
@@ -31,8 +32,8 @@ def build_schedule(
         name: one of `SCHEDULE_NAMES`.
         num_devices: pipeline depth p (devices).
         num_microbatches: micro-batches per step m.
-        chunks: model chunks per device v; only for "interleaved_1f1b" (default 2). Other
-            schedules accept only None or 1.
+        chunks: model chunks per device v: for "interleaved_1f1b" any v >= 2 (default 2),
+            for "zbv" only 2 (or None). Other schedules accept only None or 1.
 
     Returns:
         The `Schedule`.
@@ -43,12 +44,19 @@ def build_schedule(
     """
     if name not in SCHEDULE_NAMES:
         raise ValueError(f"Unknown schedule. Expected one of {SCHEDULE_NAMES}. Received: {name!r}")
-    if name in _CHUNKED_SCHEDULES:
+    if name == "interleaved_1f1b":
         return interleaved_1f1b(num_devices, num_microbatches, 2 if chunks is None else chunks)
+    if name == "zbv":
+        if chunks not in (None, 2):
+            raise ValueError(
+                "zbv places exactly two chunks on each device (a V), so chunks must be 2. "
+                f"Received: chunks={chunks}"
+            )
+        return zbv(num_devices, num_microbatches)
     if chunks not in (None, 1):
         raise ValueError(
             f"Schedule {name!r} places one stage per device, so chunks must be 1; "
-            f"use 'interleaved_1f1b' for chunks > 1. Received: chunks={chunks}"
+            f"use 'interleaved_1f1b' or 'zbv' for chunks > 1. Received: chunks={chunks}"
         )
     builders = {
         "gpipe": gpipe,
@@ -170,6 +178,77 @@ def zb_h2(num_devices: int, num_microbatches: int) -> Schedule:
             )
         )
     return _flat_schedule("zb_h2", num_microbatches, orders)
+
+
+def zbv(num_devices: int, num_microbatches: int) -> Schedule:
+    """ZB-V (zero bubble, V placement): two chunks per device, backward split into I and W.
+
+    Device d holds stages d and 2p-1-d, so a micro-batch goes down the devices and back up,
+    and the loss is computed on device 0, where it started. Each device's order is
+    PyTorch's `ScheduleZBVZeroBubble`: warm-up forwards of its first chunk, then of both,
+    then F/I/W triples of the second chunk, a steady state alternating F, I, W of each
+    chunk, and a cool-down of I passes with the W passes left to fill the drain. With
+    m >= 2p-1 and F = I = W, each device idles only before its first and after its last
+    action, and at most 2p chunk activations (p full-device micro-batches, as 1F1B) are
+    live on any device.
+
+    Example:
+        >>> zbv(2, 3).stage_devices
+        (0, 1, 1, 0)
+    """
+    _check_sizes(num_devices, num_microbatches)
+    p = num_devices
+    # The order is built for at least 2p-1 micro-batches, then actions on micro-batches
+    # the step does not have are left out, as PyTorch does.
+    planned = max(2 * p - 1, num_microbatches)
+    orders = []
+    for device in range(p):
+        order = _zbv_device_order(device, p, planned)
+        orders.append([a for a in order if a.microbatch < num_microbatches])
+    stage_devices = tuple(range(p)) + tuple(reversed(range(p)))
+    return Schedule("zbv", num_microbatches, stage_devices, _freeze(orders))
+
+
+def _zbv_device_order(device: int, num_devices: int, num_microbatches: int) -> list[Action]:
+    """ZB-V's order on `device` for `num_microbatches` (>= 2p-1) micro-batches."""
+    p = num_devices
+    first, second = device, 2 * p - 1 - device
+    counts = collections.Counter()
+    order = []
+
+    def add(kind: str, stage: int) -> None:
+        order.append(Action(kind, stage, counts[kind, stage]))
+        counts[kind, stage] += 1
+
+    for _ in range(2 * (p - device) - 1):
+        add(FORWARD, first)
+    for _ in range(device):
+        add(FORWARD, second)
+        add(FORWARD, first)
+    for _ in range(p - device):
+        add(FORWARD, second)
+        add(INPUT_GRAD, second)
+        add(WEIGHT_GRAD, second)
+    while counts[FORWARD, second] < counts[FORWARD, first] or (
+        counts[FORWARD, first] < num_microbatches
+    ):
+        if counts[FORWARD, first] < num_microbatches:
+            add(FORWARD, first)
+        add(INPUT_GRAD, first)
+        add(WEIGHT_GRAD, first)
+        add(FORWARD, second)
+        add(INPUT_GRAD, second)
+        add(WEIGHT_GRAD, second)
+    for _ in range(device):
+        add(INPUT_GRAD, first)
+        add(INPUT_GRAD, second)
+    for _ in range(p - device):
+        add(INPUT_GRAD, first)
+        add(WEIGHT_GRAD, first)
+    for stage in (second, first):
+        while counts[WEIGHT_GRAD, stage] < counts[INPUT_GRAD, stage]:
+            add(WEIGHT_GRAD, stage)
+    return order
 
 
 def _split_backward_order(

@@ -117,6 +117,29 @@ def _split_and_seconds(
     return partition.boundaries, seconds
 
 
+def configured_schedule(config: TrainConfig):
+    """`--schedule`: a built-in schedule's name, or the `Schedule` in a .csv file, checked
+    against --num_stages, --chunks and --microbatches."""
+    name = config.pipeline.schedule
+    if not name.endswith(".csv"):
+        return name
+    from tfmulti.pipeline.schedule_files import read_schedule_csv
+
+    schedule = read_schedule_csv(name)
+    pipeline = config.pipeline
+    expected = (pipeline.num_stages, pipeline.chunks, pipeline.microbatches)
+    if (schedule.num_devices, schedule.chunks, schedule.num_microbatches) != expected:
+        raise ValueError(
+            f"Schedule file {name} runs {schedule.num_stages} stages on "
+            f"{schedule.num_devices} devices with {schedule.num_microbatches} micro-batches; "
+            f"pass --num_stages={schedule.num_devices} --chunks={schedule.chunks} "
+            f"--microbatches={schedule.num_microbatches}. Received: --num_stages="
+            f"{pipeline.num_stages} --chunks={pipeline.chunks} --microbatches="
+            f"{pipeline.microbatches}"
+        )
+    return schedule
+
+
 def build_staged_model(
     source: ModelSource, config: TrainConfig, sample_x: np.ndarray, pipelined: bool
 ) -> keras.Model:
@@ -135,7 +158,7 @@ def build_staged_model(
     from tfmulti.pipeline.runtime import PipelineModel, stages_from_blocks
 
     num_microbatches = config.pipeline.microbatches if pipelined else 1
-    schedule = config.pipeline.schedule if pipelined else "model_parallel"
+    schedule = configured_schedule(config) if pipelined else "model_parallel"
     chunks = config.pipeline.chunks if pipelined else 1
     devices = first_logical_devices(
         config.pipeline.num_stages, f"--num_stages={config.pipeline.num_stages}"
@@ -170,7 +193,7 @@ def build_staged_model(
         config.pipeline.num_stages * chunks,
         num_microbatches,
         sample_x[: config.data.batch_size // num_microbatches],
-        config.pipeline.schedule if pipelined else "1f1b",
+        schedule if pipelined and isinstance(schedule, str) else "1f1b",
     )
     model = PipelineModel(
         stages_from_blocks(blocks, boundaries),
