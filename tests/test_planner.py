@@ -62,7 +62,9 @@ def _exhaustive_step_times(costs, num_devices, hardware):
                 (schedule, m, chunks)
                 for schedule in SCHEDULE_NAMES
                 for chunks in (
-                    (2, 3, 4) if schedule == "interleaved_1f1b" and tensor == 1 else (1,)
+                    {"interleaved_1f1b": (2, 3, 4), "zbv": (2,)}.get(schedule, (1,))
+                    if tensor == 1
+                    else (1,)
                 )
                 for m in microbatch_counts
             ]

@@ -15,7 +15,7 @@ import math
 from collections.abc import Iterator, Sequence
 
 from tfmulti.pipeline.balance import Block, balance
-from tfmulti.pipeline.schedules import SCHEDULE_NAMES, build_schedule
+from tfmulti.pipeline.schedules import CHUNKED_SCHEDULES, SCHEDULE_NAMES, build_schedule
 from tfmulti.planner.costs import Hardware, ModelCosts, blocks_at
 from tfmulti.planner.scoring import Layout, score_layout
 from tfmulti.platform.mesh import HybridMesh
@@ -24,6 +24,7 @@ from tfmulti.platform.mesh import HybridMesh
 # beyond it, only the balancer's.
 EXHAUSTIVE_SPLIT_LIMIT = 256
 INTERLEAVED = "interleaved_1f1b"
+ZBV = "zbv"
 
 
 def meshes(
@@ -113,7 +114,9 @@ def _pipeline_shapes(
         return
     counts = [m for m in _divisors(per_replica) if m <= max_microbatches]
     for schedule in SCHEDULE_NAMES:
-        chunk_counts = range(2, max_chunks + 1) if schedule == INTERLEAVED else (1,)
+        chunk_counts = {INTERLEAVED: range(2, max_chunks + 1), ZBV: (2,)}.get(schedule, (1,))
+        if schedule == ZBV and max_chunks < 2:
+            continue
         for chunks, num_microbatches in itertools.product(chunk_counts, counts):
             if pipe * chunks > num_blocks:
                 continue
@@ -153,10 +156,10 @@ def _candidate_splits(
         return {()}
     if math.comb(len(blocks) - 1, num_stages - 1) <= EXHAUSTIVE_SPLIT_LIMIT:
         return set(itertools.combinations(range(1, len(blocks)), num_stages - 1))
-    # The balancer simulates flat schedules only: an interleaved model's p x v stages are
-    # balanced as a flat 1F1B pipeline of that depth (without the memory cap, whose
-    # per-device sums differ), then scored interleaved.
-    interleaved = schedule == INTERLEAVED
+    # The balancer simulates flat schedules only: a chunked model's p x v stages
+    # (interleaved, ZBV) are balanced as a flat 1F1B pipeline of that depth (without the
+    # memory cap, whose per-device sums differ), then scored as they run.
+    interleaved = schedule in CHUNKED_SCHEDULES
     transfer_time = max(block.activation_bytes for block in blocks) / hardware.bandwidth
     splits = set()
     for policy in ("time", "params"):
