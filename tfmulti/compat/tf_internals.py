@@ -115,6 +115,14 @@ def functions_called_with(config: config_pb2.ConfigProto) -> Iterator[None]:
         ctx.function_call_options = saved
 
 
+def call_with_captures(function, args: Sequence[tf.Tensor], captures: Sequence[tf.Tensor]):
+    """Calls the concrete `function` on `args` with `captures` in place of the tensors
+    (variable handles) it captured when traced (`ConcreteFunction._call_flat`): a copy of
+    a model calls the functions traced for the first copy on its own variables."""
+    call_flat = _private(function, "_call_flat", "ConcreteFunction._call_flat")
+    return call_flat(list(args), list(captures))
+
+
 # Graphs
 
 

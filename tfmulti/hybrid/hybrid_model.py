@@ -98,6 +98,9 @@ class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, 
             ]
         else:
             self.replicas = [make_pipeline(devices) for devices in replica_devices]
+        # Every copy calls replica 0's traced stage functions on its own variables.
+        for replica in self.replicas[1:]:
+            replica.share_traces_of(self.replicas[0])
         self.num_microbatches = self.replicas[0].num_microbatches
         self.worker_collectives = worker_collectives
         num_workers = worker_collectives.num_workers if worker_collectives else 1

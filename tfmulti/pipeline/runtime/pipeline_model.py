@@ -242,6 +242,22 @@ class PipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, keras.
         result = self._executor.run(x_parts, microbatch_loss, trace=self._tracing)
         return dataclasses.replace(result, outputs=trim_microbatches(result.outputs, sizes))
 
+    def share_traces_of(self, first: PipelineModel) -> None:
+        """Traces no stage functions of its own where `first` (a copy of this pipeline:
+        copies of its stages, the same schedule and remat) has them: calls `first`'s on
+        its own variables (`shared_traces.ReplicaTracedStage`), so copies share one trace
+        per stage and input signature.
+        """
+        if self.remat != first.remat or len(self.stages) != len(first.stages):
+            raise ValueError(
+                "share_traces_of needs a copy of this pipeline. Received: a pipeline of "
+                f"{len(first.stages)} stages, remat={first.remat}; this one has "
+                f"{len(self.stages)}, remat={self.remat}."
+            )
+        own_functions = self._executor.stage_functions
+        for own, functions in zip(own_functions, first._executor.stage_functions, strict=True):
+            own.share_traces_of(functions)
+
     def set_step_tracing(self, enabled: bool) -> None:
         """Makes the following training steps record when each action starts and ends.
 

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tfmulti.compat import tf_internals
 from tfmulti.compat.keras_whole_weights import variables_holding
+from tfmulti.pipeline.runtime.shared_traces import ReplicaTracedStage, handle_map
 from tfmulti.pipeline.stages.graph_cut import GraphCut, ops_between
 from tfmulti.platform.devices import variable_device
 
@@ -92,6 +93,11 @@ class TracedStage:
         wrapped = tf.compat.v1.wrap_function(full_step, list(input_specs))
         graph = wrapped.graph
         captures = {tensor.ref() for tensor in graph.internal_captures}
+        # What the functions capture from outside (the stage's variable handles).
+        self.captured = [external for external, _ in graph.captures]
+        # Ops the stage placed itself (a tensor group's shards): they run there whichever
+        # device calls the functions.
+        self.pinned_devices = sorted({op.device for op in graph.get_operations() if op.device})
         inputs = list(traced["inputs"])
         output_grads = traced["output_grads"]
         forward_ops = traced["forward_ops"]
@@ -242,6 +248,15 @@ class StageFunctions:
         self.jit_compile = jit_compile
         self._traced = {}
         self._calls = {}  # training flag -> the stage's plain call as a tf.function
+        self._first = None  # the first copy's StageFunctions, whose traces this one calls
+        self._handles = None
+
+    def share_traces_of(self, first: StageFunctions) -> None:
+        """Calls the functions `first` traces (for a copy of this stage, e.g. another data
+        replica's) on this stage's variables instead of tracing its own, wherever the two
+        stages hold the same variables (`shared_traces.ReplicaTracedStage`)."""
+        self._first = first
+        self._traced = {}
 
     def set_jit_compile(self, jit_compile: bool) -> None:
         """Compiles the stage's functions with XLA from the next trace on (or stops)."""
@@ -257,6 +272,10 @@ class StageFunctions:
         """The functions for flat stage inputs of `specs` (nested as `structure`)."""
         specs = list(specs)
         key = (repr(tf.nest.map_structure(lambda _: 0, structure)), tuple(specs))
+        if key not in self._traced and self._first is not None:
+            shared = self._shared(specs, structure)
+            if shared is not None:
+                self._traced[key] = shared
         if key not in self._traced:
             self._traced[key] = TracedStage(
                 self.stage,
@@ -267,6 +286,16 @@ class StageFunctions:
                 self.jit_compile,
             )
         return self._traced[key]
+
+    def _shared(self, specs, structure):
+        """The first copy's `TracedStage` for these inputs, called on this stage's
+        variables; None when the stages' variables do not pair up."""
+        traced = self._first.for_specs(specs, structure)
+        if self._handles is None:
+            self._handles = handle_map(self._first.stage, self.stage)
+        if not ReplicaTracedStage.covers(traced, self._handles):
+            return None
+        return ReplicaTracedStage(traced, self.stage.trainable_variables, self._handles)
 
     def call(self, inputs, training=None):
         """The stage on `inputs`, without gradients (evaluation, prediction).

@@ -1,0 +1,123 @@
+"""Hybrid start-up does not grow with the data axis: every data replica calls the stage
+functions replica 0 traced, on its own variables, so a data=4 mesh traces each stage as often
+as data=1 and its step's library holds as many stage functions; training is unchanged."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from pipeline_graph_models import skip_model
+from pipeline_runtime_models import (
+    Chain,
+    dense_stages,
+    max_weight_difference,
+    regression_batches,
+    residual_stages,
+)
+
+from tfmulti.compat import tf_internals
+from tfmulti.hybrid import HybridPipelineModel, build_hybrid_model_from_model
+from tfmulti.pipeline.runtime import shared_traces, stage_functions
+from tfmulti.platform.devices import logical_device_names
+from tfmulti.platform.mesh import parse_mesh
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """Counts the stage traces (`TracedStage`s) made while the test runs."""
+    made = []
+
+    class CountedTracedStage(stage_functions.TracedStage):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(stage_functions, "TracedStage", CountedTracedStage)
+    return made
+
+
+def _hybrid(make_stages, mesh_text, schedule="1f1b", num_microbatches=4):
+    mesh = parse_mesh(mesh_text)
+    devices = logical_device_names("CPU")[: mesh.num_devices]
+    model = HybridPipelineModel(
+        make_stages, mesh.replica_devices(devices), num_microbatches, schedule
+    )
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+def _stage_functions_in_step(model, batch) -> int:
+    """Functions in the traced training step's library cut out of a stage's graph."""
+    step = tf.function(model.train_step, autograph=False)
+    library = step.get_concrete_function(batch).graph.as_graph_def().library
+    return sum("piece" in function.signature.name for function in library.function)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb_h1"])
+def test_a_data4_mesh_traces_each_stage_as_often_as_data1(traces, schedule):
+    batch = regression_batches(1, 16)[0]
+    counts = {}
+    for mesh_text in ("data=1,pipe=2", "data=4,pipe=2"):
+        traces.clear()
+        model = _hybrid(lambda: residual_stages(2), mesh_text, schedule)
+        model.train_on_batch(*batch)
+        counts[mesh_text] = len(traces)
+    assert counts["data=4,pipe=2"] == counts["data=1,pipe=2"] == 2
+
+
+def test_a_data4_step_holds_as_many_stage_functions_as_data1():
+    batch = tuple(tf.constant(part) for part in regression_batches(1, 16)[0])
+    counts = {}
+    for mesh_text in ("data=1,pipe=2", "data=4,pipe=2"):
+        model = _hybrid(lambda: dense_stages(2), mesh_text)
+        model(batch[0])
+        counts[mesh_text] = _stage_functions_in_step(model, batch)
+    assert counts["data=4,pipe=2"] == counts["data=1,pipe=2"] > 0
+
+
+def test_shared_traces_train_to_one_device_weights_and_identical_copies():
+    batches = regression_batches(3, 16)
+    reference = Chain(residual_stages(2))
+    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    hybrid = _hybrid(lambda: residual_stages(2), "data=4,pipe=2", "zb_h1")
+    reference(batches[0][0])
+    hybrid(batches[0][0])
+    for batch in batches:
+        reference.train_on_batch(*batch)
+        hybrid.train_on_batch(*batch)
+    assert max_weight_difference(reference, hybrid.replicas[0]) < 1e-5
+    first = hybrid.replicas[0].get_weights()
+    for replica in hybrid.replicas[1:]:
+        for expected, actual in zip(first, replica.get_weights(), strict=True):
+            np.testing.assert_array_equal(actual, expected)
+
+
+def test_copies_of_a_user_model_share_replica_zero_traces(traces):
+    x = np.random.default_rng(0).normal(size=(8, 6)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(8, 2)).astype("float32")
+    hybrid = build_hybrid_model_from_model(
+        skip_model(), "data=2,pipe=2", 2, "1f1b", devices=logical_device_names("CPU")[:4]
+    )
+    hybrid.compile(optimizer="sgd", loss="mse")
+    hybrid.train_on_batch(x, y)
+    assert len(traces) == len(hybrid.replicas[0].stages)
+
+
+def test_a_function_called_with_other_captures_reads_the_other_variable():
+    first, second = tf.Variable(1.0), tf.Variable(5.0)
+    concrete = tf.function(lambda scale: first * scale).get_concrete_function(
+        tf.TensorSpec([], tf.float32)
+    )
+    captures = [second.handle if t is first.handle else t for t in concrete.captured_inputs]
+    result = tf_internals.call_with_captures(concrete, [tf.constant(2.0)], captures)
+    assert float(tf.nest.flatten(result)[0]) == 10.0
+
+
+def test_stages_whose_variables_do_not_pair_up_trace_their_own():
+    wide, narrow = keras.layers.Dense(4), keras.layers.Dense(3)
+    wide.build((None, 2))
+    narrow.build((None, 2))
+    assert shared_traces.handle_map(wide, narrow) is None
+    same = keras.layers.Dense(4)
+    same.build((None, 2))
+    assert shared_traces.handle_map(wide, same) is not None
