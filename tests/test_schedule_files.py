@@ -137,12 +137,22 @@ TRAIN = (
 )
 
 
-def test_train_script_runs_a_csv_schedule_like_the_same_built_in_one(tmp_path):
+# A hybrid mesh pipelines each data replica over pipe=2 devices on the same schedule.
+HYBRID = ("--strategy=hybrid", "--virtual_devices=4", "--mesh=data=2,pipe=2")
+
+
+@pytest.mark.parametrize("strategy_flags", [(), HYBRID], ids=["pipeline", "hybrid"])
+def test_train_script_runs_a_csv_schedule_like_the_same_built_in_one(tmp_path, strategy_flags):
     runs = {}
     for label, schedule in (("csv", PYTORCH_CSV), ("built_in", "zb_h1")):
         model_dir = str(tmp_path / label)
+        flags = [f for f in TRAIN if not strategy_flags or "num_stages" not in f]
         result = run_script(
-            "train.py", *TRAIN, f"--schedule={schedule}", f"--model_dir={model_dir}"
+            "train.py",
+            *flags,
+            *strategy_flags,
+            f"--schedule={schedule}",
+            f"--model_dir={model_dir}",
         )
         assert result.returncode == 0, result.stderr[-3000:]
         runs[label] = read_metrics(model_dir)

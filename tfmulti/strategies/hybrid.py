@@ -10,7 +10,12 @@ from tfmulti.config import TrainConfig
 from tfmulti.platform.cluster import ClusterInfo, build_multi_worker_strategy
 from tfmulti.strategies.base import BuildContext, TrainingStrategy, check_batch_splits
 from tfmulti.strategies.model_source import ModelSource
-from tfmulti.strategies.pipeline import model_partition, partition_cost_cache, split_blocks
+from tfmulti.strategies.pipeline import (
+    configured_schedule,
+    model_partition,
+    partition_cost_cache,
+    split_blocks,
+)
 
 
 class Hybrid(TrainingStrategy):
@@ -46,6 +51,7 @@ class Hybrid(TrainingStrategy):
         from tfmulti.platform.mesh import parse_mesh
 
         mesh = parse_mesh(config.distribution.mesh)
+        schedule = configured_schedule(config, pipe=mesh.pipe)
         rows_per_step = mesh.data * config.pipeline.microbatches
         check_batch_splits(
             config.data.batch_size,
@@ -57,7 +63,7 @@ class Hybrid(TrainingStrategy):
                 source.model(),
                 mesh,
                 config.pipeline.microbatches,
-                config.pipeline.schedule,
+                schedule,
                 chunks=config.pipeline.chunks,
                 partition=model_partition(config.pipeline.partition),
                 remat=config.pipeline.remat,
@@ -73,13 +79,13 @@ class Hybrid(TrainingStrategy):
             mesh.pipe * config.pipeline.chunks,
             config.pipeline.microbatches,
             context.sample_x[: config.data.batch_size // rows_per_step],
-            config.pipeline.schedule,
+            schedule if isinstance(schedule, str) else "1f1b",
         )
         return build_hybrid_model(
             source.blocks,
             mesh,
             config.pipeline.microbatches,
-            config.pipeline.schedule,
+            schedule,
             chunks=config.pipeline.chunks,
             partition_boundaries=boundaries,
             remat=config.pipeline.remat,

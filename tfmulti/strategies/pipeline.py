@@ -117,9 +117,10 @@ def _split_and_seconds(
     return partition.boundaries, seconds
 
 
-def configured_schedule(config: TrainConfig):
+def configured_schedule(config: TrainConfig, pipe: int | None = None):
     """`--schedule`: a built-in schedule's name, or the `Schedule` in a .csv file, checked
-    against --num_stages, --chunks and --microbatches."""
+    against the pipeline's devices (`pipe`, default --num_stages), --chunks and
+    --microbatches."""
     name = config.pipeline.schedule
     if not name.endswith(".csv"):
         return name
@@ -127,15 +128,16 @@ def configured_schedule(config: TrainConfig):
 
     schedule = read_schedule_csv(name)
     pipeline = config.pipeline
-    expected = (pipeline.num_stages, pipeline.chunks, pipeline.microbatches)
+    devices_flag = "--num_stages=" if pipe is None else "pipe="
+    pipe = pipeline.num_stages if pipe is None else pipe
+    expected = (pipe, pipeline.chunks, pipeline.microbatches)
     if (schedule.num_devices, schedule.chunks, schedule.num_microbatches) != expected:
         raise ValueError(
             f"Schedule file {name} runs {schedule.num_stages} stages on "
             f"{schedule.num_devices} devices with {schedule.num_microbatches} micro-batches; "
-            f"pass --num_stages={schedule.num_devices} --chunks={schedule.chunks} "
-            f"--microbatches={schedule.num_microbatches}. Received: --num_stages="
-            f"{pipeline.num_stages} --chunks={pipeline.chunks} --microbatches="
-            f"{pipeline.microbatches}"
+            f"pass {devices_flag}{schedule.num_devices} --chunks={schedule.chunks} "
+            f"--microbatches={schedule.num_microbatches}. Received: {devices_flag}"
+            f"{pipe} --chunks={pipeline.chunks} --microbatches={pipeline.microbatches}"
         )
     return schedule
 
