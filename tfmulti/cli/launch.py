@@ -1,9 +1,10 @@
 r"""`tfmulti-launch`: run a training command as a local multi-worker cluster.
 
 Usage:
-    tfmulti-launch --num_workers=2 [--devices_per_worker=2] [--max_restarts=1] \
-        [--isolation=auto|namespace|none] \
+    tfmulti-launch --num_workers=2 --devices_per_worker=2 --max_restarts=1 --isolation=auto \
         -- python scripts/train.py --strategy=multi_worker --model_dir=/tmp/run
+    tfmulti-launch --num_workers=2:3 --max_restarts_per_worker=1 --hosts_file=slots.txt \
+        -- python scripts/train.py --strategy=multi_worker --batch_size=24 --model_dir=/tmp/run
 """
 
 import functools
@@ -12,10 +13,33 @@ import sys
 from absl import app, flags
 
 from tfmulti.flags.parsing import parse_flags_or_exit
-from tfmulti.platform import launcher, network_isolation
+from tfmulti.platform import launcher, membership, network_isolation
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("num_workers", None, "Worker processes to start (>= 1).", lower_bound=1)
+flags.DEFINE_string(
+    "num_workers",
+    None,
+    "Worker processes to start: N (>= 1), or MIN:MAX for an elastic job that starts MAX "
+    "(or as many as --hosts_file lists) and goes on with as few as MIN.",
+)
+flags.DEFINE_integer(
+    "max_restarts_per_worker",
+    None,
+    "Elastic jobs: a worker slot that fails more often than this is dropped and the group "
+    "restarts on the others from the last step checkpoint (if at least MIN remain).",
+    lower_bound=0,
+)
+flags.DEFINE_string(
+    "hosts_file",
+    None,
+    "Elastic jobs: the worker slots, one a line, re-read while the job runs; a slot that "
+    "leaves or joins restarts the group at the new size from a step checkpoint it saves.",
+)
+flags.DEFINE_float(
+    "rendezvous_timeout",
+    60.0,
+    "Elastic jobs with --hosts_file: seconds to wait for MIN slots before giving up.",
+)
 flags.DEFINE_integer(
     "devices_per_worker",
     None,
@@ -39,6 +63,17 @@ flags.DEFINE_enum(
     f"${network_isolation.ISOLATION_VARIABLE}, else auto.",
 )
 flags.mark_flag_as_required("num_workers")
+
+
+def _valid_worker_range(text: str | None) -> bool:
+    try:
+        membership.WorkerRange.parse(text or "1")
+    except ValueError as error:
+        raise flags.ValidationError(str(error)) from None
+    return True
+
+
+flags.register_validator("num_workers", _valid_worker_range)
 flags.register_validator(
     "grace_seconds", lambda value: value > 0, message="--grace_seconds must be > 0, e.g. 10"
 )
@@ -60,8 +95,23 @@ def _launch(argv: list[str]) -> None:
             max_restarts=FLAGS.max_restarts,
             grace_seconds=FLAGS.grace_seconds,
             isolation=FLAGS.isolation,
+            max_restarts_per_worker=FLAGS.max_restarts_per_worker,
+            hosts_file=FLAGS.hosts_file,
+            global_batch_size=_batch_size_of(command),
+            rendezvous_timeout=FLAGS.rendezvous_timeout,
         )
     )
+
+
+def _batch_size_of(command: list[str]) -> int | None:
+    """The global batch the worker command asks for (`--batch_size`, as scripts/train.py
+    takes it), so the launcher refuses worker counts that do not split it."""
+    for index, argument in enumerate(command):
+        name, equals, value = argument.partition("=")
+        if name in ("--batch_size", "-batch_size"):
+            value = value if equals else (command[index + 1 : index + 2] or [""])[0]
+            return int(value) if value.isdigit() else None
+    return None
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -26,6 +27,15 @@ from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from tfmulti.names import PREEMPTED_EXIT_CODE, RESTART_COUNT_VARIABLE
+from tfmulti.platform.membership import (
+    MEMBERSHIP_VARIABLE,
+    SLOT_VARIABLE,
+    Change,
+    Membership,
+    SlotListWatcher,
+    WorkerRange,
+    read_slots,
+)
 from tfmulti.platform.network_isolation import (
     ISOLATION_VARIABLE,
     ISOLATIONS,
@@ -243,8 +253,9 @@ class WorkerGroup:
     def pids(self) -> list[int]:
         return [process.pid for process in self.processes]
 
-    def wait(self, should_stop: threading.Event) -> WorkerExit | None:
-        """Waits until all workers succeed (None), one fails, or `should_stop` is set."""
+    def wait(self, should_stop: threading.Event | SlotListWatcher) -> WorkerExit | None:
+        """Waits until all workers succeed (None), one fails, or `should_stop` is set
+        (a `SlotListWatcher` is also set by a change of membership)."""
         while not should_stop.is_set():
             exits = [process.poll() for process in self.processes]
             for rank, returncode in enumerate(exits):
@@ -287,19 +298,24 @@ class WorkerGroup:
 
 def launch(
     command: Sequence[str],
-    num_workers: int,
+    num_workers: int | str,
     devices_per_worker: int | None = None,
     max_restarts: int = 0,
     grace_seconds: float = 10.0,
     stream: TextIO | None = None,
     messages: TextIO | None = None,
     isolation: str | None = None,
+    max_restarts_per_worker: int | None = None,
+    hosts_file: str | None = None,
+    global_batch_size: int | None = None,
+    rendezvous_timeout: float = 60.0,
 ) -> int:
     """Runs `command` as `num_workers` local workers and returns the exit status (0: success).
 
     Args:
         command: the worker command, e.g. ["python", "scripts/train.py", "--strategy=multi_worker"].
-        num_workers: workers to start.
+        num_workers: workers to start: N, or "MIN:MAX" for an elastic job that starts
+            MAX (or as many as `hosts_file` lists) and goes on with as few as MIN.
         devices_per_worker: GPUs or logical CPU devices per worker (see `worker_environments`).
         max_restarts: how many times the whole group restarts, on fresh ports, after a failure;
             each worker sees the attempt number in `TFMULTI_RESTART_COUNT`, and
@@ -311,6 +327,16 @@ def launch(
             where Linux allows it, else warns in one line naming the open ports;
             "namespace" refuses to start (status 1, one line) without that network;
             "none" warns and does not try. Default: `$TFMULTI_ISOLATION`, else "auto".
+        max_restarts_per_worker: a slot whose worker fails more often than this is
+            dropped and the group restarts on the rest, if at least MIN (these restarts do
+            not count against `max_restarts`). None: slots are never dropped for failures.
+        hosts_file: the slots, one a line, re-read while the job runs: a slot that leaves
+            or joins stops the group on the preemption path (a step checkpoint at an
+            agreed step) and restarts it on the new slots.
+        global_batch_size: the training's global batch, if known: sizes whose
+            replicas (workers x `devices_per_worker`) do not split it are refused.
+        rendezvous_timeout: with `hosts_file`, how long to wait for MIN slots before
+            giving up.
 
     Example:
         >>> launch(["python", "train.py", "--strategy=multi_worker"], num_workers=2)
@@ -318,6 +344,7 @@ def launch(
     """
     if not command:
         raise LaunchError("No worker command given. Received: command=[]")
+    workers = WorkerRange.parse(num_workers)
     if max_restarts < 0:
         raise LaunchError(f"max_restarts must be >= 0. Received: max_restarts={max_restarts}")
     if grace_seconds <= 0:
@@ -350,20 +377,45 @@ def launch(
     previous_handlers = {
         signum: signal.signal(signum, request_stop) for signum in (signal.SIGINT, signal.SIGTERM)
     }
+    membership = Membership(
+        workers,
+        read_slots(hosts_file) if hosts_file else [f"slot{i}" for i in range(workers.maximum)],
+        max_restarts_per_worker,
+        global_batch_size,
+        replicas_per_worker=devices_per_worker or 1,
+    )
+    watcher = SlotListWatcher(
+        membership, hosts_file, should_stop, lambda line: messages.write(f"launch: {line}\n")
+    )
     # Non-chief workers keep scratch files under TMPDIR; a private one is removed
     # even when a worker is killed before it can clean up.
     scratch_root = tempfile.mkdtemp(prefix="tfmulti-launch-")
     try:
-        for attempt in range(max_restarts + 1):
-            environments = worker_environments(num_workers, devices_per_worker, num_gpus)
-            for environment in environments:
+        change, failure, restarts = Change(membership.slots), None, 0
+        for attempt in itertools.count():
+            shortfall = membership.shortfall()
+            if shortfall and hosts_file:
+                change = watcher.wait_for_enough(rendezvous_timeout) or change
+                shortfall = membership.shortfall()
+            if shortfall:
+                messages.write(
+                    f"launch: {shortfall}; stopped (the run's checkpoints are kept: "
+                    "start it again with --resume to continue)\n"
+                )
+                return failure.exit_status if failure else 1
+            slots = membership.slots
+            environments = worker_environments(len(slots), devices_per_worker, num_gpus)
+            for slot, environment in zip(slots, environments, strict=True):
                 environment["TMPDIR"] = scratch_root
                 # As torchrun's restart count: a restarted worker knows to resume its run.
                 environment[RESTART_COUNT_VARIABLE] = str(attempt)
+                environment[SLOT_VARIABLE] = slot
+                environment[MEMBERSHIP_VARIABLE] = json.dumps(dataclasses.asdict(change))
             if network is None:
                 messages.write(_exposure_warning(exposed_because, environments))
             group = WorkerGroup(command, environments, stream, network)
-            failure = group.wait(should_stop)
+            watcher.change = None
+            failure = group.wait(watcher)
             # A preempted worker's peers save at the same step and exit by themselves.
             group.stop(grace_seconds, terminate=not (failure and failure.preempted))
             if received_signals:
@@ -377,12 +429,28 @@ def launch(
                     return PREEMPTED_EXIT_CODE
                 messages.write(f"launch: received {name}; stopped all workers\n")
                 return 128 + received_signals[0]
-            if failure is None:
+            if all(code == 0 for code in group.returncodes):
                 return 0
+            if watcher.change is not None:
+                change = watcher.change
+                messages.write(f"launch: {change.describe()}; restarting the group\n")
+                continue
             messages.write(f"launch: {failure.describe()}; stopped the other workers\n")
-            if attempt < max_restarts:
-                messages.write(f"launch: restarting all workers ({attempt + 1}/{max_restarts})\n")
-        return failure.exit_status
+            if not failure.preempted:
+                dropped = membership.record_failure(slots[failure.rank])
+                if dropped is not None:
+                    change = dropped
+                    messages.write(
+                        f"launch: {slots[failure.rank]} failed more than "
+                        f"--max_restarts_per_worker={max_restarts_per_worker} times; "
+                        f"{change.describe()}; restarting the group\n"
+                    )
+                    continue
+            if restarts == max_restarts:
+                return failure.exit_status
+            restarts += 1
+            change = Change(membership.slots)
+            messages.write(f"launch: restarting all workers ({restarts}/{max_restarts})\n")
     finally:
         for signum, handler in previous_handlers.items():
             signal.signal(signum, handler)

@@ -10,6 +10,8 @@ Keys:
     final: the last evaluation on the validation data ({"loss", metrics}).
     resumes: one record per resume: {"epoch" (1-based), "step" (steps of that epoch
         already trained), "checkpoint", "time" (seconds since the epoch, UTC)}.
+    membership: one record per start on a new set of workers: {"workers", "slots",
+        "left", "joined", "epoch", "step", "global_step", "time"} (see `note_membership`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ import copy
 import json
 import math
 import os
+import time
 
 import keras
+from absl import logging
 
 from tfmulti.files import write_json_atomically
+from tfmulti.platform.membership import MEMBERSHIP_VARIABLE
 
 METRICS_FILE = "metrics.json"
 
@@ -45,7 +50,7 @@ class RunRecord:
 
     def __init__(self, directory: str | None, run: dict, resume_from_epoch: int | None = None):
         self.path = os.path.join(directory, METRICS_FILE) if directory else None
-        epochs, resumes, preemptions = [], [], []
+        epochs, resumes, preemptions, membership = [], [], [], []
         self._previous = None
         if resume_from_epoch is not None and self.path and os.path.exists(self.path):
             with open(self.path) as handle:
@@ -54,6 +59,7 @@ class RunRecord:
             epochs = [e for e in previous["epochs"] if e["epoch"] <= resume_from_epoch]
             resumes = previous.get("resumes", [])
             preemptions = previous.get("preemptions", [])
+            membership = previous.get("membership", [])
         self.record = {
             "run": run,
             "status": "running",
@@ -61,6 +67,7 @@ class RunRecord:
             "epochs": epochs,
             "resumes": resumes,
             "preemptions": preemptions,
+            "membership": membership,
         }
         self.record["final"] = {}
         self.write()
@@ -79,6 +86,13 @@ class RunRecord:
         )
         self.record["status"] = "preempted"
         self.write()
+
+    def add_membership(self, entry: dict) -> None:
+        """Notes the workers a start runs on, when they differ from the last start's."""
+        last = self.record["membership"][-1] if self.record["membership"] else {}
+        if (last.get("workers"), last.get("slots")) != (entry["workers"], entry["slots"]):
+            self.record["membership"].append(entry)
+            self.write()
 
     def add_epoch(self, epoch: int, logs: dict) -> None:
         self.record["epochs"].append(
@@ -113,3 +127,51 @@ class RecordEpochs(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.record.add_epoch(epoch + 1, logs or {})
+
+
+def note_membership(
+    record: RunRecord,
+    num_workers: int,
+    epoch: int,
+    step: int,
+    global_step: int,
+    log_dir: str,
+    is_chief: bool = True,
+) -> None:
+    """Records the workers this start runs on; the chief says a change of them in one
+    log line and draws the count as TensorBoard's `workers` scalar (in `log_dir`).
+
+    The launcher says which slots run, and who left or joined, in `TFMULTI_MEMBERSHIP`;
+    without it (a run not started by the launcher) only the count is known.
+    """
+    import tensorflow as tf
+
+    launched = json.loads(os.environ.get(MEMBERSHIP_VARIABLE) or "{}")
+    entry = {
+        "workers": num_workers,
+        "slots": launched.get("slots"),
+        "left": launched.get("left", []),
+        "joined": launched.get("joined", []),
+        "epoch": epoch,
+        "step": step,
+        "global_step": global_step,
+        "time": time.time(),
+    }
+    record.add_membership(entry)
+    if not is_chief:
+        return
+    if entry["left"] or entry["joined"]:
+        changes = [f"{', '.join(entry[key])} {key}" for key in ("left", "joined") if entry[key]]
+        logging.info(
+            "Membership changed: %s; now %d workers; resuming at epoch %d, step %d "
+            "(global step %d)",
+            "; ".join(changes),
+            num_workers,
+            epoch,
+            step,
+            global_step,
+        )
+    writer = tf.summary.create_file_writer(log_dir)
+    with writer.as_default():
+        tf.summary.scalar("workers", num_workers, step=global_step)
+    writer.close()

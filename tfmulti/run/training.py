@@ -25,7 +25,7 @@ from tfmulti.run.epoch_checkpoint import EpochCheckpoint, latest_checkpoint
 from tfmulti.run.model_setup import build_compiled_model
 from tfmulti.run.preemption import SaveOnPreemption
 from tfmulti.run.profiling import ProfileSteps
-from tfmulti.run.run_record import METRICS_FILE, RecordEpochs, RunRecord
+from tfmulti.run.run_record import METRICS_FILE, RecordEpochs, RunRecord, note_membership
 from tfmulti.run.step_checkpoint import (
     ResumePoint,
     ResumeRun,
@@ -257,6 +257,15 @@ def train(config: TrainConfig) -> dict:
             resume_point.step,
             resume_point.weights_path,
         )
+    note_membership(
+        record,
+        cluster.num_workers if cluster else 1,
+        epoch=resume_point.epoch + 1 if resume_point else 1,
+        step=resume_point.step if resume_point else 0,
+        global_step=start_step,
+        log_dir=os.path.join(output_dir, "logs", "train"),
+        is_chief=cluster is None or cluster.is_chief,
+    )
     callbacks, nan_guard = standard_callbacks(
         config,
         output_dir,

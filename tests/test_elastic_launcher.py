@@ -1,0 +1,200 @@
+"""Elastic launches (`--num_workers=MIN:MAX`): slots that fail too often are dropped, a
+slot list shrinks and grows the group, and too few slots end the job in one line."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tfmulti.platform.membership import Change, Membership, WorkerRange
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCH = os.path.join(REPO_ROOT, "scripts", "launch.py")
+WORKER = os.path.join(REPO_ROOT, "tests", "workers", "elastic_worker.py")
+
+
+def launch_command(launch_flags, worker_flags):
+    return [sys.executable, LAUNCH, *launch_flags, "--", sys.executable, WORKER, *worker_flags]
+
+
+def run_launcher(launch_flags, worker_flags):
+    command = launch_command(launch_flags, worker_flags)
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def group_sizes(run_dir):
+    """Workers started in each attempt, by attempt number."""
+    sizes = {}
+    for name in os.listdir(run_dir):
+        attempt = int(name.split("-", 1)[0])
+        sizes[attempt] = sizes.get(attempt, 0) + 1
+    return [sizes[attempt] for attempt in sorted(sizes)]
+
+
+def wait_for_attempt(run_dir, attempt, workers, launcher):
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and launcher.poll() is None:
+        started = [name for name in os.listdir(run_dir) if name.startswith(f"{attempt}-")]
+        if len(started) == workers:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"attempt {attempt} did not start {workers} workers")
+
+
+def write_slots(path, slots):
+    # Atomically, as the guide asks: a reader never sees half a list.
+    partial = f"{path}.partial"
+    with open(partial, "w") as handle:
+        handle.write("".join(f"{slot}\n" for slot in slots))
+    os.replace(partial, path)
+
+
+@pytest.mark.parametrize("text, expected", [("3", (3, 3)), ("2:3", (2, 3)), ("1:1", (1, 1))])
+def test_num_workers_is_n_or_min_max(text, expected):
+    workers = WorkerRange.parse(text)
+    assert (workers.minimum, workers.maximum) == expected
+
+
+@pytest.mark.parametrize("text", ["0", "3:2", "two", "2:", ":3"])
+def test_a_bad_worker_range_names_what_was_received(text):
+    with pytest.raises(ValueError, match=f"Received: --num_workers={text}"):
+        WorkerRange.parse(text)
+
+
+def test_a_slot_is_dropped_after_more_failures_than_allowed():
+    membership = Membership(WorkerRange(2, 3), ["a", "b", "c"], max_failures_per_slot=1)
+    assert membership.record_failure("c") is None
+    assert membership.record_failure("c") == Change(("a", "b"), left=("c",))
+    assert membership.shortfall() is None
+
+
+def test_a_shrink_keeps_the_largest_size_that_splits_the_global_batch():
+    membership = Membership(
+        WorkerRange(1, 4), ["a", "b", "c", "d"], max_failures_per_slot=0, global_batch_size=8
+    )
+    assert membership.record_failure("d") == Change(("a", "b"), left=("c", "d"))
+
+
+def test_a_grow_that_does_not_split_the_global_batch_is_refused_once_and_the_size_kept():
+    membership = Membership(WorkerRange(1, 3), ["a", "b"], global_batch_size=4)
+    refusal = membership.offer(["a", "b", "c"])
+    assert refusal == "3 workers x 1 replicas do not split --batch_size=4 evenly; keeping 2 workers"
+    assert membership.offer(["a", "b", "c"]) is None
+    assert membership.slots == ("a", "b")
+
+
+def test_a_dropped_slot_returns_only_after_leaving_the_list():
+    membership = Membership(WorkerRange(1, 2), ["a", "b"], max_failures_per_slot=0)
+    membership.record_failure("b")
+    assert membership.offer(["a", "b"]) is None
+    assert membership.offer(["a"]) is None
+    assert membership.offer(["a", "b"]) == Change(("a", "b"), joined=("b",))
+
+
+def test_slots_already_running_keep_their_ranks_when_the_list_lists_them_later():
+    membership = Membership(WorkerRange(1, 3), ["a", "b"])
+    assert membership.offer(["c", "b", "a"]) == Change(("a", "b", "c"), joined=("c",))
+
+
+def test_an_empty_read_of_the_list_is_ignored():
+    membership = Membership(WorkerRange(1, 2), ["a", "b"])
+    assert membership.offer([]) is None
+
+
+def test_a_slot_failing_more_than_its_restarts_is_dropped_and_the_job_goes_on_smaller(tmp_path):
+    result = run_launcher(
+        ["--num_workers=2:3", "--max_restarts_per_worker=1", "--max_restarts=1"],
+        ["--run_dir", str(tmp_path), "--fail_slots=slot2"],
+    )
+    assert result.returncode == 0, result.stderr
+    assert "restarting all workers (1/1)" in result.stderr
+    assert (
+        "launch: slot2 failed more than --max_restarts_per_worker=1 times; slot2 left; "
+        "2 workers (slot0, slot1); restarting the group" in result.stderr
+    )
+    assert group_sizes(tmp_path) == [3, 3, 2]
+    assert result.stdout.count("done") == 2 + 2 * 2  # slot0 and slot1 of every attempt
+
+
+def test_fewer_slots_than_min_end_the_job_in_one_line(tmp_path):
+    result = run_launcher(
+        ["--num_workers=2:3", "--max_restarts_per_worker=0"],
+        ["--run_dir", str(tmp_path), "--fail_slots=slot1,slot2"],
+    )
+    assert result.returncode == 3
+    assert result.stderr.strip().splitlines()[-1] == (
+        "launch: 1 worker slot(s) left (slot0), fewer than --num_workers=2:3 needs; stopped "
+        "(the run's checkpoints are kept: start it again with --resume to continue)"
+    )
+    assert group_sizes(tmp_path) == [3, 2]
+
+
+def test_a_slot_leaving_and_rejoining_the_list_shrinks_then_grows_the_group(tmp_path):
+    run_dir, hosts = tmp_path / "run", tmp_path / "slots"
+    run_dir.mkdir()
+    write_slots(hosts, ["a", "b", "c"])
+    stop_file = tmp_path / "stop"
+    launcher = subprocess.Popen(
+        launch_command(
+            ["--num_workers=2:3", f"--hosts_file={hosts}", "--grace_seconds=5"],
+            ["--run_dir", str(run_dir), f"--stop_file={stop_file}"],
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for_attempt(run_dir, 0, 3, launcher)
+        write_slots(hosts, ["a", "b"])
+        wait_for_attempt(run_dir, 1, 2, launcher)
+        write_slots(hosts, ["a", "b", "c"])
+        wait_for_attempt(run_dir, 2, 3, launcher)
+        stop_file.touch()
+        stdout, stderr = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert launcher.returncode == 0, stderr
+    assert "launch: c left; 2 workers (a, b); restarting the group" in stderr
+    assert "launch: c joined; 3 workers (a, b, c); restarting the group" in stderr
+    assert group_sizes(run_dir) == [3, 2, 3]
+    assert (run_dir / "2-c").read_text().startswith('3 {"slots": ["a", "b", "c"], "left": []')
+
+
+def test_a_listed_size_that_does_not_split_the_batch_is_refused_and_the_job_keeps_its_size(
+    tmp_path,
+):
+    run_dir, hosts, messages = tmp_path / "run", tmp_path / "slots", tmp_path / "messages"
+    run_dir.mkdir()
+    write_slots(hosts, ["a", "b"])
+    stop_file = tmp_path / "stop"
+    with open(messages, "w") as stderr:
+        launcher = subprocess.Popen(
+            launch_command(
+                ["--num_workers=1:3", f"--hosts_file={hosts}"],
+                ["--run_dir", str(run_dir), f"--stop_file={stop_file}", "--batch_size=4"],
+            ),
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+        try:
+            wait_for_attempt(run_dir, 0, 2, launcher)
+            write_slots(hosts, ["a", "b", "c"])
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and "keeping" not in messages.read_text():
+                time.sleep(0.05)
+            stop_file.touch()
+            launcher.wait(timeout=60)
+        finally:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, messages.read_text()
+    assert (
+        messages.read_text().count(
+            "launch: 3 workers x 1 replicas do not split --batch_size=4 evenly; keeping 2 workers\n"
+        )
+        == 1
+    )
+    assert group_sizes(run_dir) == [2]

@@ -1,0 +1,229 @@
+"""Which worker slots an elastic launch runs on, and when that changes.
+
+A slot is a place a worker runs: a line of `--hosts_file`, or for a plain local
+launch `slot0` ... `slot{MAX-1}`. The launcher asks `Membership` after every
+failure and every re-read of the list; a change stops the group on the preemption
+path (or finds it stopped by the failure) and restarts it on the new slots, which
+resume from the last step checkpoint. No TensorFlow is imported here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+# Set on every launched worker: JSON {"slots", "left", "joined"} of its group.
+MEMBERSHIP_VARIABLE = "TFMULTI_MEMBERSHIP"
+# Set on every launched worker: the name of its slot.
+SLOT_VARIABLE = "TFMULTI_SLOT"
+_REREAD_SECONDS = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerRange:
+    """How many workers a launch may run on: `--num_workers=MIN:MAX`, or N for N:N.
+
+    Example:
+        >>> WorkerRange.parse("2:3")
+        WorkerRange(minimum=2, maximum=3)
+    """
+
+    minimum: int
+    maximum: int
+
+    @classmethod
+    def parse(cls, text: str) -> WorkerRange:
+        low, colon, high = str(text).partition(":")
+        try:
+            minimum, maximum = int(low), int(high if colon else low)
+        except ValueError:
+            minimum = maximum = 0
+        if not 1 <= minimum <= maximum:
+            raise ValueError(
+                "--num_workers must be N or MIN:MAX with 1 <= MIN <= MAX, e.g. 2:3. "
+                f"Received: --num_workers={text}"
+            )
+        return cls(minimum, maximum)
+
+    def __str__(self) -> str:
+        if self.minimum == self.maximum:
+            return str(self.minimum)
+        return f"{self.minimum}:{self.maximum}"
+
+
+def read_slots(hosts_file: str) -> list[str]:
+    """The slots `hosts_file` lists, one a line (blank lines and `#` comments skipped);
+    none while the file is missing."""
+    try:
+        with open(hosts_file) as handle:
+            lines = [line.split("#", 1)[0].strip() for line in handle]
+    except FileNotFoundError:
+        return []
+    return list(dict.fromkeys(line for line in lines if line))
+
+
+def batch_fits(global_batch_size: int | None, num_workers: int, replicas_per_worker: int) -> bool:
+    """Whether `num_workers` workers split the global batch evenly (True when unknown)."""
+    if global_batch_size is None:
+        return True
+    return global_batch_size % (num_workers * replicas_per_worker) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """A new set of slots, and who left or joined to make it."""
+
+    slots: tuple[str, ...]
+    left: tuple[str, ...] = ()
+    joined: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        parts = [f"{', '.join(self.left)} left"] if self.left else []
+        parts += [f"{', '.join(self.joined)} joined"] if self.joined else []
+        return "; ".join(parts + [f"{len(self.slots)} workers ({', '.join(self.slots)})"])
+
+
+class Membership:
+    """The slots a launch runs on, within `WorkerRange`, as failures and the list change.
+
+    Args:
+        workers: the allowed worker counts.
+        slots: the slots offered at the start (the first `workers.maximum` are used).
+        max_failures_per_slot: a slot whose worker fails more often than this is
+            dropped (None: never); it returns only after leaving the list and coming back.
+        global_batch_size, replicas_per_worker: a size that does not split the global
+            batch evenly is refused (the slots stay as they are).
+
+    Example:
+        >>> membership = Membership(WorkerRange(2, 3), ["a", "b", "c"], max_failures_per_slot=1)
+        >>> membership.record_failure("c"), membership.record_failure("c")
+        (None, Change(slots=('a', 'b'), left=('c',), joined=()))
+    """
+
+    def __init__(
+        self,
+        workers: WorkerRange,
+        slots: list[str],
+        max_failures_per_slot: int | None = None,
+        global_batch_size: int | None = None,
+        replicas_per_worker: int = 1,
+    ):
+        self.workers = workers
+        self.max_failures_per_slot = max_failures_per_slot
+        self.global_batch_size = global_batch_size
+        self.replicas_per_worker = replicas_per_worker
+        self.slots = tuple(slots[: workers.maximum])
+        self.failures: dict[str, int] = {}
+        self.dropped: set[str] = set()
+        self.refused: tuple[str, ...] | None = None
+
+    def fits(self, num_workers: int) -> bool:
+        return batch_fits(self.global_batch_size, num_workers, self.replicas_per_worker)
+
+    def record_failure(self, slot: str) -> Change | None:
+        """Counts a failure of `slot`'s worker; returns the change when it drops the slot."""
+        self.failures[slot] = self.failures.get(slot, 0) + 1
+        if self.max_failures_per_slot is None or self.failures[slot] <= self.max_failures_per_slot:
+            return None
+        self.dropped.add(slot)
+        remaining = tuple(s for s in self.slots if s != slot)
+        return self._apply(self._largest_fitting(remaining) or remaining)
+
+    def offer(self, listed: list[str]) -> Change | str | None:
+        """Takes a fresh read of the slot list; returns the change it makes, a one-line
+        refusal (said once per listing), or None when nothing changes. An empty read
+        is taken for a file caught mid-write, and ignored."""
+        if not listed:
+            return None
+        self.dropped &= set(listed)
+        # Slots already running keep their ranks (and the chief stays); new ones follow.
+        usable = [s for s in listed if s not in self.dropped]
+        kept = [s for s in self.slots if s in usable]
+        wanted = tuple((kept + [s for s in usable if s not in kept])[: self.workers.maximum])
+        if set(wanted) == set(self.slots):
+            return None
+        fitting = self._largest_fitting(wanted)
+        if fitting is not None and set(fitting) == set(self.slots):
+            if self.refused == wanted:
+                return None
+            self.refused = wanted
+            return (
+                f"{len(wanted)} workers x {self.replicas_per_worker} replicas do not split "
+                f"--batch_size={self.global_batch_size} evenly; keeping {len(self.slots)} workers"
+            )
+        return self._apply(fitting or wanted)
+
+    def _largest_fitting(self, slots: tuple[str, ...]) -> tuple[str, ...] | None:
+        """The first n of `slots` for the largest n >= MIN that splits the global batch."""
+        for count in range(len(slots), self.workers.minimum - 1, -1):
+            if self.fits(count):
+                return slots[:count]
+        return None
+
+    def _apply(self, slots: tuple[str, ...]) -> Change:
+        change = Change(
+            slots,
+            left=tuple(s for s in self.slots if s not in slots),
+            joined=tuple(s for s in slots if s not in self.slots),
+        )
+        self.slots = slots
+        return change
+
+    def shortfall(self) -> str | None:
+        """Why the slots cannot run the job (too few, or they split the batch unevenly)."""
+        if len(self.slots) < self.workers.minimum:
+            return (
+                f"{len(self.slots)} worker slot(s) left ({', '.join(self.slots) or 'none'}), "
+                f"fewer than --num_workers={self.workers} needs"
+            )
+        if not self.fits(len(self.slots)):
+            return (
+                f"{len(self.slots)} workers x {self.replicas_per_worker} replicas do not split "
+                f"--batch_size={self.global_batch_size} evenly"
+            )
+        return None
+
+
+class SlotListWatcher:
+    """Re-reads `--hosts_file` while a group runs; `is_set()` turns True on a change.
+
+    It stands in for the launcher's stop event in `WorkerGroup.wait`: the wait ends on
+    a signal (`should_stop`) or on a change of membership, kept in `change`.
+
+    Args:
+        membership: the launch's `Membership`, which judges each read.
+        hosts_file: the slot list (None: membership changes only by failures).
+        should_stop: the launcher's stop event.
+        say: writes one launcher message line.
+    """
+
+    def __init__(self, membership: Membership, hosts_file, should_stop, say):
+        self.membership = membership
+        self.hosts_file = hosts_file
+        self.should_stop = should_stop
+        self.say = say
+        self.change: Change | None = None
+        self._next_read = time.monotonic() + _REREAD_SECONDS
+
+    def is_set(self) -> bool:
+        if self.should_stop.is_set() or self.change is not None:
+            return True
+        if self.hosts_file is None or time.monotonic() < self._next_read:
+            return False
+        self._next_read = time.monotonic() + _REREAD_SECONDS
+        offered = self.membership.offer(read_slots(self.hosts_file))
+        if isinstance(offered, str):
+            self.say(offered)
+        elif offered is not None:
+            self.change = offered
+        return self.change is not None
+
+    def wait_for_enough(self, timeout_seconds: float) -> Change | None:
+        """Waits up to `timeout_seconds` for the list to offer enough slots again."""
+        deadline = time.monotonic() + timeout_seconds
+        while self.hosts_file and time.monotonic() < deadline and not self.should_stop.is_set():
+            offered = self.membership.offer(read_slots(self.hosts_file))
+            if isinstance(offered, Change) and self.membership.shortfall() is None:
+                return offered
+            time.sleep(_REREAD_SECONDS)
+        return None
