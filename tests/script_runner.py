@@ -89,20 +89,28 @@ def assert_same_training(metrics: dict, reference: dict) -> None:
     assert metrics["final"]["accuracy"] == pytest.approx(reference["final"]["accuracy"], abs=1e-6)
 
 
-def launch_training(*train_args: str, num_workers: int = 2, devices_per_worker: int = 2):
-    """Runs `scripts/train.py train_args...` on local workers via `scripts/launch.py`.
-
-    Returns (exit code, combined output).
-    """
-    launcher = launch(
-        f"--num_workers={num_workers}",
-        f"--devices_per_worker={devices_per_worker}",
+def start_launched_training(launch_flags, train_args) -> subprocess.Popen:
+    """Starts `scripts/launch.py launch_flags... -- python scripts/train.py train_args...`,
+    its output and errors merged in `stdout`; the caller waits for it."""
+    return launch(
+        *launch_flags,
         "--",
         sys.executable,
         "scripts/train.py",
         *train_args,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+    )
+
+
+def launch_training(*train_args: str, num_workers: int = 2, devices_per_worker: int = 2):
+    """Runs `scripts/train.py train_args...` on local workers via `scripts/launch.py`.
+
+    Returns (exit code, combined output).
+    """
+    launcher = start_launched_training(
+        (f"--num_workers={num_workers}", f"--devices_per_worker={devices_per_worker}"),
+        train_args,
     )
     output, _ = launcher.communicate(timeout=240)
     return launcher.returncode, output

@@ -11,13 +11,11 @@ different order stays within rel 1e-4 of the losses and rtol 1e-5 of the weights
 import glob
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
-from script_runner import launch, read_metrics, run_script
+from script_runner import read_metrics, run_script, start_launched_training
 from test_elastic_launcher import write_slots
 from test_exact_resume import final_weights
 
@@ -65,19 +63,9 @@ def kill_slot_once_checkpointed(launcher, model_dir, slot, global_step, spare=No
 
 
 def launch_elastic(model_dir, *launch_flags, train_flags=(), grace_seconds=3):
-    return launch(
-        *launch_flags,
-        "--devices_per_worker=1",
-        f"--grace_seconds={grace_seconds}",
-        "--",
-        sys.executable,
-        "scripts/train.py",
-        *FLAGS,
-        "--strategy=multi_worker",
-        f"--model_dir={model_dir}",
-        *train_flags,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+    return start_launched_training(
+        (*launch_flags, "--devices_per_worker=1", f"--grace_seconds={grace_seconds}"),
+        (*FLAGS, "--strategy=multi_worker", f"--model_dir={model_dir}", *train_flags),
     )
 
 

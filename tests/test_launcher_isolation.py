@@ -18,9 +18,9 @@ from script_runner import (
     REPO_ROOT,
     TWO_EPOCHS,
     assert_same_training,
-    launch,
     read_metrics,
     script_environment,
+    start_launched_training,
 )
 
 from tfmulti.platform.launcher import free_loopback_ports
@@ -118,17 +118,9 @@ def test_isolated_multi_worker_training_opens_no_host_port_and_trains_like_one_d
     if not private_network_available():
         pytest.skip("this kernel refuses unprivileged user namespaces")
     model_dir = str(tmp_path / "run")
-    launcher = launch(
-        "--num_workers=2",
-        "--devices_per_worker=2",
-        "--",
-        sys.executable,
-        "scripts/train.py",
-        *TWO_EPOCHS,
-        "--strategy=multi_worker",
-        f"--model_dir={model_dir}",
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+    launcher = start_launched_training(
+        ("--num_workers=2", "--devices_per_worker=2"),
+        (*TWO_EPOCHS, "--strategy=multi_worker", f"--model_dir={model_dir}"),
     )
     try:
         servers = _wait_for_tensorflow_servers(launcher.pid, count=2)

@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -21,10 +20,10 @@ from script_runner import (
     assert_same_training,
     assert_split_recorded,
     last_line,
-    launch,
     launch_training,
     read_metrics,
     run_script,
+    start_launched_training,
 )
 
 
@@ -281,17 +280,9 @@ def test_preempted_then_killed_workers_restart_the_group_which_resumes_the_exact
 ):
     model_dir = str(tmp_path / "run")
     flags = (*COMMON, "--epochs=4", "--steps_per_epoch=40", "--checkpoint_steps=10")
-    launcher = launch(
-        "--num_workers=2",
-        "--max_restarts=2",
-        "--",
-        sys.executable,
-        "scripts/train.py",
-        *flags,
-        "--strategy=multi_worker",
-        f"--model_dir={model_dir}",
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+    launcher = start_launched_training(
+        ("--num_workers=2", "--max_restarts=2"),
+        (*flags, "--strategy=multi_worker", f"--model_dir={model_dir}"),
     )
     try:
         # SIGTERM in epoch 2 (after global step 50): both workers save at the step they
