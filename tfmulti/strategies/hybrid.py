@@ -79,7 +79,7 @@ class Hybrid(TrainingStrategy):
             mesh.pipe * config.pipeline.chunks,
             config.pipeline.microbatches,
             context.sample_x[: config.data.batch_size // rows_per_step],
-            schedule if isinstance(schedule, str) else "1f1b",
+            schedule,
         )
         return build_hybrid_model(
             source.blocks,

@@ -9,6 +9,7 @@ import numpy as np
 from absl import logging
 
 from tfmulti.config import TrainConfig
+from tfmulti.pipeline.actions import Schedule
 from tfmulti.pipeline.stages.split_summary import MEASURED_SECONDS_ATTRIBUTE, MeasuredStageSeconds
 from tfmulti.platform.devices import first_logical_devices
 from tfmulti.strategies.base import BuildContext, DevicePlacingStrategy, check_batch_splits
@@ -74,7 +75,7 @@ def split_blocks(
     num_stages: int,
     num_microbatches: int,
     microbatch_x: np.ndarray,
-    schedule: str,
+    schedule: str | Schedule,
 ) -> tuple[int, ...]:
     """Stage boundaries of `blocks` by `config.pipeline.partition`, costed on one micro-batch."""
     boundaries, _ = _split_and_seconds(
@@ -89,7 +90,7 @@ def _split_and_seconds(
     num_stages: int,
     num_microbatches: int,
     microbatch_x: np.ndarray,
-    schedule: str,
+    schedule: str | Schedule,
 ) -> tuple[tuple[int, ...], MeasuredStageSeconds | None]:
     """`split_blocks`, with each stage's measured seconds under `--partition=time`; block
     timings are kept in `partition_cost_cache(config)`."""
@@ -109,8 +110,9 @@ def _split_and_seconds(
         num_stages,
         config.pipeline.partition,
         num_microbatches=num_microbatches,
-        # The balancer simulates one stage per device; interleaved splits use 1F1B's model.
-        schedule=schedule if config.pipeline.chunks == 1 else "1f1b",
+        # The balancer simulates a built-in schedule of one stage per device; chunked and
+        # file schedules are split by 1F1B's model.
+        schedule=schedule if isinstance(schedule, str) and config.pipeline.chunks == 1 else "1f1b",
         costs=costs,
     )
     seconds = MeasuredStageSeconds.from_blocks(costs, partition.boundaries) if timed else None
@@ -195,7 +197,7 @@ def build_staged_model(
         config.pipeline.num_stages * chunks,
         num_microbatches,
         sample_x[: config.data.batch_size // num_microbatches],
-        schedule if pipelined and isinstance(schedule, str) else "1f1b",
+        schedule if pipelined else "1f1b",
     )
     model = PipelineModel(
         stages_from_blocks(blocks, boundaries),
