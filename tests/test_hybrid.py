@@ -192,7 +192,7 @@ def test_predict_and_evaluate_split_the_batch_over_replicas_like_one_model():
     )
 
 
-def test_replica_r_stage_s_variables_and_slots_live_on_device_r_times_pipe_plus_s():
+def test_replica_r_stage_s_variables_live_on_device_r_times_pipe_plus_s_slots_with_replica_0():
     devices = logical_device_names("CPU")[:6]
     hybrid = build_hybrid_model(
         lambda: dense_stages(2), "data=3,pipe=2", 2, "1f1b", devices=devices
@@ -205,6 +205,11 @@ def test_replica_r_stage_s_variables_and_slots_live_on_device_r_times_pipe_plus_
             expected = tf.DeviceSpec.from_string(devices[replica_index * 2 + stage_index])
             for variable in stage.trainable_variables:
                 assert device_index(variable) == ("CPU", expected.device_index), variable.path
+                if replica_index:
+                    # The other copies take replica 0's updated values: no slots of their own.
+                    with pytest.raises(KeyError):
+                        optimizer._get_variable_index(variable)
+                    continue
                 slot = optimizer._get_variable_index(variable)
                 for slots in (optimizer._momentums, optimizer._velocities):
                     assert device_index(slots[slot]) == ("CPU", expected.device_index)
@@ -249,7 +254,18 @@ def test_wrong_number_of_partition_boundaries_names_the_stage_count():
         )
 
 
-def test_global_clipnorm_is_refused_at_compile():
-    hybrid = _hybrid(lambda: dense_stages(2), "data=2,pipe=2", 2, "1f1b")
-    with pytest.raises(ValueError, match="Received: global_clipnorm=1.0"):
-        hybrid.compile(optimizer=keras.optimizers.SGD(global_clipnorm=1.0), loss="mse")
+def test_global_clipnorm_clips_one_copys_gradients_as_on_one_device():
+    # The optimizer holds one copy: a global norm over every copy's gradients would be
+    # sqrt(2) times too large, and clip differently from one device.
+    batches = regression_batches(STEPS, GLOBAL_BATCH)
+    models = [Chain(dense_stages(2)), _hybrid(lambda: dense_stages(2), "data=2,pipe=2", 2, "1f1b")]
+    for model in models:
+        model.compile(optimizer=keras.optimizers.SGD(0.1, global_clipnorm=0.05), loss="mse")
+        model(batches[0][0])
+    for batch in batches:
+        for model in models:
+            model.train_on_batch(*batch)
+    reference, hybrid = models
+    assert len(hybrid.optimizer.variables) == len(reference.optimizer.variables)
+    assert max_weight_difference(reference, hybrid.replicas[0]) < 1e-6
+    _assert_replicas_identical(hybrid)

@@ -10,6 +10,7 @@ from pipeline_graph_models import skip_model
 from pipeline_runtime_models import (
     Chain,
     dense_stages,
+    device_index,
     max_weight_difference,
     regression_batches,
     residual_stages,
@@ -121,3 +122,79 @@ def test_stages_whose_variables_do_not_pair_up_trace_their_own():
     same = keras.layers.Dense(4)
     same.build((None, 2))
     assert shared_traces.handle_map(wide, same) is not None
+
+
+def _call_traces(model) -> int:
+    """Traces of every replica's plain stage calls (evaluation, prediction)."""
+    return sum(
+        function.experimental_get_tracing_count()
+        for replica in model.replicas
+        for functions in replica._executor.stage_functions
+        for function in functions._calls.values()
+    )
+
+
+def test_a_data4_mesh_traces_each_stage_call_as_often_as_data1_and_predicts_the_same():
+    x, y = regression_batches(1, 16)[0]
+    counts, predictions, weights = {}, {}, None
+    for mesh_text in ("data=1,pipe=2", "data=4,pipe=2"):
+        model = _hybrid(lambda: dense_stages(2), mesh_text)
+        model(x)
+        if weights is None:
+            weights = model.get_weights()
+        model.set_weights(weights)
+        model.evaluate(x, y, batch_size=16, verbose=0)
+        predictions[mesh_text] = model.predict(x, batch_size=16, verbose=0)
+        counts[mesh_text] = _call_traces(model)
+    assert counts["data=4,pipe=2"] == counts["data=1,pipe=2"] > 0
+    np.testing.assert_allclose(
+        predictions["data=4,pipe=2"], predictions["data=1,pipe=2"], atol=1e-6
+    )
+
+
+def test_the_optimizer_holds_and_updates_one_copy():
+    batch = regression_batches(1, 16)[0]
+    sizes = {}
+    for mesh_text in ("data=1,pipe=2", "data=4,pipe=2"):
+        model = _hybrid(lambda: dense_stages(2), mesh_text)
+        model.train_on_batch(*batch)
+        sizes[mesh_text] = len(model.optimizer.variables)
+        assert len(model.trainable_variables) == len(model.replicas[0].trainable_variables)
+    assert sizes["data=4,pipe=2"] == sizes["data=1,pipe=2"]
+
+
+class _Wrapping(keras.layers.Layer):
+    """A layer without a build of its own, holding a Dense it calls."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = keras.layers.Dense(3)
+
+    def call(self, inputs):
+        return self.inner(inputs)
+
+
+class _NoBuildConfig(_Wrapping):
+    def get_build_config(self):
+        return None
+
+
+@pytest.mark.parametrize("layer, from_configs", [(_Wrapping, True), (_NoBuildConfig, False)])
+def test_copies_build_from_build_configs_or_else_by_a_call(layer, from_configs, monkeypatch):
+    built_by_call = []  # layers called symbolically, as building by a call does
+
+    def call(self, inputs):
+        if not tf.executing_eagerly():
+            built_by_call.append(self)
+        return self.inner(inputs)
+
+    monkeypatch.setattr(layer, "call", call)
+    x = np.ones((4, 2), "float32")
+    model = _hybrid(lambda: [layer(), keras.layers.Dense(1)], "data=2,pipe=2")
+    model(x)
+    copy = model.replicas[1].stages[0]
+    assert (copy not in built_by_call) is from_configs
+    first_weights = model.replicas[0].stages[0].weights
+    assert [v.shape for v in copy.weights] == [w.shape for w in first_weights]
+    device = tf.DeviceSpec.from_string(model.replicas[1].stage_devices[0])
+    assert {device_index(v) for v in copy.weights} == {(device.device_type, device.device_index)}

@@ -34,10 +34,13 @@ class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, 
     replica runs the pipeline schedule on its part in `num_microbatches` micro-batches,
     each micro-batch's loss weighted by its share of the rows of the whole step (summed
     over workers with `worker_collectives`); each variable's gradient is summed over the
-    replicas (on replica 0's device for it, then over workers), and every copy applies the
-    same update, so copies stay equal and the step equals one-device training on the whole
-    batch. Float non-trainable state (BatchNorm statistics) is averaged over the replicas
-    after each step. Each copy keeps its own optimizer slots on its own devices. `evaluate`
+    replicas (on replica 0's device for it, then over workers); the optimizer updates
+    replica 0's variables, on their devices, and the other copies take the new values, so
+    copies stay equal and the step equals one-device training on the whole batch. The
+    optimizer, its slots and its traced update are one copy's, as on one device (and
+    `global_clipnorm` sees one copy's gradients); `trainable_variables` are replica 0's.
+    Float non-trainable state (BatchNorm statistics) is averaged over the replicas after
+    each step. `evaluate`
     and `predict` split the batch over the local replicas. Weights, `count_params`, saving
     and `summary` are one copy's: the plain model's (see `WrappedModel`); weights set or
     loaded go into every copy.
@@ -113,15 +116,11 @@ class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, 
         for replica in self.replicas:
             replica.compile_stages_with_xla(enabled)
 
-    def _check_optimizer(self, optimizer: keras.optimizers.Optimizer) -> None:
-        """Refuses `global_clipnorm`: the optimizer sees every copy's gradient, so the norm
-        would be sqrt(replicas) times too large (`clipnorm` and `clipvalue` work)."""
-        if optimizer.global_clipnorm is not None:
-            raise ValueError(
-                "HybridPipelineModel applies each gradient to every copy of the model, so a "
-                "global norm would count each copy. Received: global_clipnorm="
-                f"{optimizer.global_clipnorm}; use clipnorm or clipvalue."
-            )
+    @property
+    def trainable_variables(self) -> list:
+        """Replica 0's trainable variables: what the optimizer updates and holds slots for
+        (the other copies take their values after each update)."""
+        return self.replicas[0].trainable_variables
 
     def to_model(self) -> keras.Model:
         """Replica 0 as a plain single-device Keras model sharing its weights (every copy
@@ -185,11 +184,9 @@ class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, 
         return ScheduledStep(
             loss=self._summed_loss(results),
             rows=totals.rows,
-            gradients_and_variables=[
-                (gradient, variable)
-                for replica in self.replicas
-                for gradient, variable in zip(gradients, replica.trainable_variables, strict=True)
-            ],
+            gradients_and_variables=list(
+                zip(gradients, self.replicas[0].trainable_variables, strict=True)
+            ),
             predictions=concat_microbatches([concat_microbatches(r.outputs) for r in results]),
         )
 
@@ -198,8 +195,10 @@ class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, 
         weights (and, across workers, the chief's)."""
         if self._replicas_synced:
             return
-        for replica in self.replicas:
-            replica.build_stages(inputs)
+        first = self.replicas[0]
+        first.build_stages(inputs)
+        for replica in self.replicas[1:]:
+            replica.build_stages_like(first, inputs)
         with tf.init_scope():
             source = _held_variables(self.replicas[0])
             if self.worker_collectives is not None:
@@ -259,9 +258,14 @@ class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, 
         )
 
     def after_update(self) -> None:
-        """Replaces each float non-trainable variable (e.g. BatchNorm's moving statistics),
+        """Copies replica 0's updated trainable variables into the other copies, then
+        replaces each float non-trainable variable (e.g. BatchNorm's moving statistics),
         which each replica updated from its own rows, by its mean over all data replicas,
         so the copies stay identical."""
+        updated = self.replicas[0].trainable_variables
+        for replica in self.replicas[1:]:
+            for variable, reference in zip(replica.trainable_variables, updated, strict=True):
+                variable.assign(reference)
         state = [
             [v for v in replica.non_trainable_variables if keras.backend.is_float_dtype(v.dtype)]
             for replica in self.replicas

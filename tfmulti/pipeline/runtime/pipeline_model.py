@@ -38,6 +38,7 @@ from tfmulti.pipeline.stages.export import chained_model, input_spec
 from tfmulti.pipeline.stages.model_stages import stages_from_model
 from tfmulti.pipeline.stages.split_summary import placement_table
 from tfmulti.pipeline.stages.stage_devices import (
+    build_from_build_configs,
     build_stages_on_devices,
     check_stage_placement,
     move_built_stages,
@@ -444,6 +445,14 @@ class PipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, keras.
             build_stages_on_devices(self.stages, self.stage_devices, inputs)
             check_stage_placement(self.stages, self.stage_devices)
         self.built = True
+
+    def build_stages_like(self, first: PipelineModel, inputs) -> None:
+        """Builds this copy of `first` (built) on its own devices from `first`'s layers'
+        build configs, without tracing a call through the stages; calls them as
+        `build_stages` does where a layer keeps no build config."""
+        if not all(stage.built for stage in self.stages):
+            build_from_build_configs(self.stages, first.stages, self.stage_devices)
+        self.build_stages(inputs)
 
 
 def _per_stage(remat: bool | Sequence[bool], num_stages: int) -> list[bool]:

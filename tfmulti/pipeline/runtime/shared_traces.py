@@ -52,6 +52,19 @@ def handle_map(first_stage, stage) -> dict[int, tf.Tensor] | None:
     return {id(reference.handle): variable.handle for reference, variable in pairs}
 
 
+def call_on_own_variables(concrete, inputs, handles: dict[int, tf.Tensor] | None):
+    """`concrete` (traced for the first copy of a stage) on `inputs` and the variables
+    `handles` pairs with the first copy's; None when they do not replace every variable it
+    captures or it places ops on devices of its own (then the copy traces its own)."""
+    if handles is None or any(op.device for op in concrete.graph.get_operations()):
+        return None
+    captures = [handles.get(id(t), t) for t in concrete.captured_inputs]
+    if any(t.dtype == tf.resource and id(t) not in handles for t in concrete.captured_inputs):
+        return None
+    flat_inputs = tf.nest.flatten(inputs, expand_composites=True)
+    return tf_internals.call_with_captures(concrete, flat_inputs, captures)
+
+
 def _short_name(variable) -> str:
     """The variable's own name without its layer's (e.g. "kernel")."""
     return variable.name.split("/")[-1].split(":")[0]

@@ -19,7 +19,11 @@ import tensorflow as tf
 
 from tfmulti.compat import tf_internals
 from tfmulti.compat.keras_whole_weights import variables_holding
-from tfmulti.pipeline.runtime.shared_traces import ReplicaTracedStage, handle_map
+from tfmulti.pipeline.runtime.shared_traces import (
+    ReplicaTracedStage,
+    call_on_own_variables,
+    handle_map,
+)
 from tfmulti.pipeline.stages.graph_cut import GraphCut, ops_between
 from tfmulti.platform.devices import variable_device
 
@@ -291,11 +295,14 @@ class StageFunctions:
         """The first copy's `TracedStage` for these inputs, called on this stage's
         variables; None when the stages' variables do not pair up."""
         traced = self._first.for_specs(specs, structure)
-        if self._handles is None:
-            self._handles = handle_map(self._first.stage, self.stage)
-        if not ReplicaTracedStage.covers(traced, self._handles):
+        if not ReplicaTracedStage.covers(traced, self._handles_of_first()):
             return None
         return ReplicaTracedStage(traced, self.stage.trainable_variables, self._handles)
+
+    def _handles_of_first(self) -> dict | None:
+        if self._handles is None:
+            self._handles = handle_map(self._first.stage, self.stage)
+        return self._handles
 
     def call(self, inputs, training=None):
         """The stage on `inputs`, without gradients (evaluation, prediction).
@@ -306,6 +313,16 @@ class StageFunctions:
         """
         if tf.executing_eagerly():
             return self.stage(inputs, training=training)
+        if self._first is not None:
+            # A copy calls the first copy's traced call on its own variables.
+            concrete = self._first._call_function(training).get_concrete_function(inputs)
+            outputs = call_on_own_variables(concrete, inputs, self._handles_of_first())
+            if outputs is not None:
+                return outputs
+        return self._call_function(training)(inputs)
+
+    def _call_function(self, training) -> tf.types.experimental.PolymorphicFunction:
+        """The stage's plain call for one `training` flag, as a tf.function."""
         function = self._calls.get(training)
         if function is None:
             stage = self.stage
@@ -317,7 +334,7 @@ class StageFunctions:
                 jit_compile=self.jit_compile,
             )
             self._calls[training] = function
-        return function(inputs)
+        return function
 
 
 def _trace_forward_and_backward(stage, structure, flat_inputs, differentiate_inputs) -> dict:

@@ -75,6 +75,41 @@ def build_stages_on_devices(
                 spec = stage(spec)
 
 
+def build_from_build_configs(
+    stages: Sequence[keras.layers.Layer],
+    built_stages: Sequence[keras.layers.Layer],
+    stage_device_names: Sequence[str],
+) -> bool:
+    """Builds unbuilt copies of `built_stages` under their devices from the built layers'
+    build configs (input shapes), as Keras rebuilds a model it loads, without tracing a
+    call through them; a data replica's copy of a pipeline builds this way.
+
+    Returns:
+        Whether every layer of every stage is now built; when False, the caller builds
+        the rest by calling the stages (`build_stages_on_devices`).
+    """
+    with tf.init_scope():
+        for stage, built, device in zip(stages, built_stages, stage_device_names, strict=True):
+            copies = keras_internals.layers_within(stage)
+            originals = keras_internals.layers_within(built)
+            if len(copies) != len(originals):
+                return False
+            with tf.device(device):
+                # Parents come before their layers: a parent's build may build them.
+                holders = []
+                for copy, original in zip(copies, originals, strict=True):
+                    config = original.get_build_config() if original.built else None
+                    if copy.built or not config:
+                        continue
+                    if type(copy).build is keras.layers.Layer.build:
+                        holders.append(copy)  # built once the layers it holds are
+                    else:
+                        copy.build_from_config(config)
+                for holder in holders:
+                    holder.built = True
+    return all(layer.built for stage in stages for layer in keras_internals.layers_within(stage))
+
+
 def owned_variables(stages: Sequence[keras.layers.Layer]) -> list[list]:
     """Per stage, the variables it places on its device: those no earlier stage holds (a
     weight tied between stages lives with the first stage that uses it), except the shards
