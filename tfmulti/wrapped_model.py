@@ -8,7 +8,7 @@ save and summarise those structures. `WrappedModel` makes `weights` (and so
 sharing the trained weights: weight lists and files interchange with the plain model,
 and `keras.callbacks.ModelCheckpoint` writes files plain Keras loads. `variables` and
 `trainable_variables`, what the optimizer holds and training differentiates, stay the
-wrapper's own (every replica's, for a hybrid model).
+wrapper's own (replica 0's, for a hybrid model, whose other copies take its values).
 """
 
 from __future__ import annotations
