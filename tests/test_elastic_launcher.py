@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tfmulti.platform.membership import Change, Membership, WorkerRange
+from tfmulti.platform.membership import Change, Membership, WorkerRange, discovered_slots
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(REPO_ROOT, "scripts", "launch.py")
@@ -198,3 +198,54 @@ def test_a_listed_size_that_does_not_split_the_batch_is_refused_and_the_job_keep
         == 1
     )
     assert group_sizes(run_dir) == [2]
+
+
+def test_a_discovery_command_lists_the_slots_and_its_failures_list_none(tmp_path):
+    listing = tmp_path / "listing"
+    listing.write_text("a\nb # comment\n\nb\n")
+    assert discovered_slots(f"cat {listing}") == ["a", "b"]
+    assert discovered_slots(f"cat {listing}; exit 3") == []
+    assert discovered_slots("sleep 5", timeout_seconds=0.2) == []
+
+
+def test_a_discovery_command_shrinks_and_grows_the_group(tmp_path):
+    run_dir, hosts = tmp_path / "run", tmp_path / "slots"
+    run_dir.mkdir()
+    write_slots(hosts, ["a", "b", "c"])
+    stop_file = tmp_path / "stop"
+    launcher = subprocess.Popen(
+        launch_command(
+            ["--num_workers=2:3", f"--discovery_command=cat {hosts}", "--grace_seconds=5"],
+            ["--run_dir", str(run_dir), f"--stop_file={stop_file}"],
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for_attempt(run_dir, 0, 3, launcher)
+        write_slots(hosts, ["a", "c"])
+        wait_for_attempt(run_dir, 1, 2, launcher)
+        write_slots(hosts, ["a", "b", "c"])
+        wait_for_attempt(run_dir, 2, 3, launcher)
+        stop_file.touch()
+        stdout, stderr = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert launcher.returncode == 0, stderr
+    assert "launch: b left; 2 workers (a, c); restarting the group" in stderr
+    assert "launch: b joined; 3 workers (a, c, b); restarting the group" in stderr
+    assert group_sizes(run_dir) == [3, 2, 3]
+
+
+def test_a_file_and_a_command_both_listing_slots_are_refused_in_one_line(tmp_path):
+    result = run_launcher(
+        ["--num_workers=1:2", f"--hosts_file={tmp_path}/s", "--discovery_command=echo a"],
+        ["--run_dir", str(tmp_path)],
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "launch.py: error: --hosts_file and --discovery_command both give the slot list; "
+        "keep one of them."
+    ]

@@ -7,7 +7,7 @@ import shutil
 import textwrap
 
 import pytest
-from script_runner import read_metrics, run_script
+from script_runner import one_line_error, read_metrics, run_script
 
 RUN = (
     "--strategy=one_device",
@@ -137,3 +137,26 @@ def test_resuming_a_finished_run_with_more_epochs_trains_on(tmp_path, finished_r
     assert [epoch["epoch"] for epoch in metrics["epochs"]] == [1, 2, 3]
     assert metrics["epochs"][:2] == finished["epochs"]
     assert [resume["epoch"] for resume in metrics["resumes"]] == [3]
+
+
+@pytest.mark.parametrize("restart_count", ["0", "1"])
+def test_a_job_slurm_requeued_resumes_by_itself_and_a_first_start_does_not(
+    tmp_path, finished_run, user_env, restart_count
+):
+    model_dir = _copy(finished_run("synthetic"), tmp_path)
+    result = run_script(
+        "train.py",
+        *RUN,
+        DATASETS["synthetic"],
+        f"--model_dir={model_dir}",
+        "--epochs=3",
+        env={**user_env, "SLURM_RESTART_COUNT": restart_count},
+    )
+    if restart_count == "0":
+        assert one_line_error(result, 1).endswith(
+            "already holds a run. Pass --resume to continue it or choose a new --model_dir."
+        )
+        return
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Resuming at epoch 3, step 0" in result.stderr
+    assert [epoch["epoch"] for epoch in read_metrics(model_dir)["epochs"]] == [1, 2, 3]

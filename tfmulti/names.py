@@ -34,6 +34,8 @@ MODEL_NAMES = ("mlp", "convnet", "resnet", "transformer")
 DATASET_NAMES = ("synthetic", "digits", "npz", "tfrecord", "tokens")
 # Set by scripts/launch.py on every worker: 0 on the first start, then the restart number.
 RESTART_COUNT_VARIABLE = "TFMULTI_RESTART_COUNT"
+# Set by SLURM on a job it requeued (after a node failure or `scontrol requeue`).
+SLURM_RESTART_COUNT_VARIABLE = "SLURM_RESTART_COUNT"
 # A worker that saved a checkpoint on SIGTERM exits with this ("restart me"), TensorFlow's
 # own default for a preempted job.
 PREEMPTED_EXIT_CODE = 42

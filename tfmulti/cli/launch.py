@@ -20,7 +20,7 @@ flags.DEFINE_string(
     "num_workers",
     None,
     "Worker processes to start: N (>= 1), or MIN:MAX for an elastic job that starts MAX "
-    "(or as many as --hosts_file lists) and goes on with as few as MIN.",
+    "(or as many as the slot list holds) and goes on with as few as MIN.",
 )
 flags.DEFINE_integer(
     "max_restarts_per_worker",
@@ -35,10 +35,21 @@ flags.DEFINE_string(
     "Elastic jobs: the worker slots, one a line, re-read while the job runs; a slot that "
     "leaves or joins restarts the group at the new size from a step checkpoint it saves.",
 )
+flags.DEFINE_string(
+    "discovery_command",
+    None,
+    "Elastic jobs, instead of --hosts_file: a shell command that prints the worker slots, "
+    "one a line, run again while the job runs (as Horovod's host-discovery script).",
+)
+flags.register_multi_flags_validator(
+    ["hosts_file", "discovery_command"],
+    lambda values: not (values["hosts_file"] and values["discovery_command"]),
+    "--hosts_file and --discovery_command both give the slot list; keep one of them.",
+)
 flags.DEFINE_float(
     "rendezvous_timeout",
     60.0,
-    "Elastic jobs with --hosts_file: seconds to wait for MIN slots before giving up.",
+    "Elastic jobs with a slot list: seconds to wait for MIN slots before giving up.",
 )
 flags.DEFINE_integer(
     "devices_per_worker",
@@ -97,6 +108,7 @@ def _launch(argv: list[str]) -> None:
             isolation=FLAGS.isolation,
             max_restarts_per_worker=FLAGS.max_restarts_per_worker,
             hosts_file=FLAGS.hosts_file,
+            discovery_command=FLAGS.discovery_command,
             global_batch_size=_batch_size_of(command),
             rendezvous_timeout=FLAGS.rendezvous_timeout,
         )

@@ -34,7 +34,7 @@ from tfmulti.platform.membership import (
     Membership,
     SlotListWatcher,
     WorkerRange,
-    read_slots,
+    slot_source,
 )
 from tfmulti.platform.network_isolation import (
     ISOLATION_VARIABLE,
@@ -307,6 +307,7 @@ def launch(
     isolation: str | None = None,
     max_restarts_per_worker: int | None = None,
     hosts_file: str | None = None,
+    discovery_command: str | None = None,
     global_batch_size: int | None = None,
     rendezvous_timeout: float = 60.0,
 ) -> int:
@@ -315,7 +316,7 @@ def launch(
     Args:
         command: the worker command, e.g. ["python", "scripts/train.py", "--strategy=multi_worker"].
         num_workers: workers to start: N, or "MIN:MAX" for an elastic job that starts
-            MAX (or as many as `hosts_file` lists) and goes on with as few as MIN.
+            MAX (or as many as the slot list holds) and goes on with as few as MIN.
         devices_per_worker: GPUs or logical CPU devices per worker (see `worker_environments`).
         max_restarts: how many times the whole group restarts, on fresh ports, after a failure;
             each worker sees the attempt number in `TFMULTI_RESTART_COUNT`, and
@@ -333,9 +334,11 @@ def launch(
         hosts_file: the slots, one a line, re-read while the job runs: a slot that leaves
             or joins stops the group on the preemption path (a step checkpoint at an
             agreed step) and restarts it on the new slots.
+        discovery_command: instead of `hosts_file`: a shell command printing the slots,
+            one a line, run again every half second (Horovod's host-discovery script).
         global_batch_size: the training's global batch, if known: sizes whose
             replicas (workers x `devices_per_worker`) do not split it are refused.
-        rendezvous_timeout: with `hosts_file`, how long to wait for MIN slots before
+        rendezvous_timeout: with a slot list, how long to wait for MIN slots before
             giving up.
 
     Example:
@@ -377,15 +380,20 @@ def launch(
     previous_handlers = {
         signum: signal.signal(signum, request_stop) for signum in (signal.SIGINT, signal.SIGTERM)
     }
+    try:
+        list_slots = slot_source(hosts_file, discovery_command)
+    except ValueError as error:
+        messages.write(f"launch: {error}\n")
+        return 2
     membership = Membership(
         workers,
-        read_slots(hosts_file) if hosts_file else [f"slot{i}" for i in range(workers.maximum)],
+        list_slots() if list_slots else [f"slot{i}" for i in range(workers.maximum)],
         max_restarts_per_worker,
         global_batch_size,
         replicas_per_worker=devices_per_worker or 1,
     )
     watcher = SlotListWatcher(
-        membership, hosts_file, should_stop, lambda line: messages.write(f"launch: {line}\n")
+        membership, list_slots, should_stop, lambda line: messages.write(f"launch: {line}\n")
     )
     # Non-chief workers keep scratch files under TMPDIR; a private one is removed
     # even when a worker is killed before it can clean up.
@@ -394,7 +402,7 @@ def launch(
         change, failure, restarts = Change(membership.slots), None, 0
         for attempt in itertools.count():
             shortfall = membership.shortfall()
-            if shortfall and hosts_file:
+            if shortfall and list_slots:
                 change = watcher.wait_for_enough(rendezvous_timeout) or change
                 shortfall = membership.shortfall()
             if shortfall:

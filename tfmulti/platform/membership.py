@@ -1,22 +1,25 @@
 """Which worker slots an elastic launch runs on, and when that changes.
 
-A slot is a place a worker runs: a line of `--hosts_file`, or for a plain local
-launch `slot0` ... `slot{MAX-1}`. The launcher asks `Membership` after every
-failure and every re-read of the list; a change stops the group on the preemption
-path (or finds it stopped by the failure) and restarts it on the new slots, which
-resume from the last step checkpoint. No TensorFlow is imported here.
+A slot is a place a worker runs: a line of `--hosts_file` or of what
+`--discovery_command` prints, or for a plain local launch `slot0` ... `slot{MAX-1}`.
+The launcher asks `Membership` after every failure and every new listing; a change stops
+the group on the preemption path (or finds it stopped by the failure) and restarts it on
+the new slots, which resume from the last step checkpoint. No TensorFlow is imported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 import time
+from collections.abc import Callable
 
 # Set on every launched worker: JSON {"slots", "left", "joined"} of its group.
 MEMBERSHIP_VARIABLE = "TFMULTI_MEMBERSHIP"
 # Set on every launched worker: the name of its slot.
 SLOT_VARIABLE = "TFMULTI_SLOT"
 _REREAD_SECONDS = 0.5
+_DISCOVERY_TIMEOUT = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +59,48 @@ def read_slots(hosts_file: str) -> list[str]:
     none while the file is missing."""
     try:
         with open(hosts_file) as handle:
-            lines = [line.split("#", 1)[0].strip() for line in handle]
+            return _slot_lines(handle.read())
     except FileNotFoundError:
         return []
+
+
+def discovered_slots(command: str, timeout_seconds: float = _DISCOVERY_TIMEOUT) -> list[str]:
+    """The slots a discovery command prints, one a line, as Horovod's host-discovery
+    script: `command` runs in a shell; a failure, a time-out or no output lists none
+    (the membership then stays as it is)."""
+    try:
+        result = subprocess.run(
+            command,
+            shell=True,
+            capture_output=True,
+            text=True,
+            timeout=timeout_seconds,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return []
+    return _slot_lines(result.stdout) if result.returncode == 0 else []
+
+
+def slot_source(
+    hosts_file: str | None = None, discovery_command: str | None = None
+) -> Callable[[], list[str]] | None:
+    """What lists the slots while an elastic job runs: `hosts_file`, re-read, or
+    `discovery_command`, run again; None when neither is given."""
+    if hosts_file and discovery_command:
+        raise ValueError(
+            "Give the slot list as a file or as a discovery command, not both. Received: "
+            f"hosts_file={hosts_file!r}, discovery_command={discovery_command!r}"
+        )
+    if hosts_file:
+        return lambda: read_slots(hosts_file)
+    if discovery_command:
+        return lambda: discovered_slots(discovery_command)
+    return None
+
+
+def _slot_lines(text: str) -> list[str]:
+    lines = (line.split("#", 1)[0].strip() for line in text.splitlines())
     return list(dict.fromkeys(line for line in lines if line))
 
 
@@ -185,21 +227,28 @@ class Membership:
 
 
 class SlotListWatcher:
-    """Re-reads `--hosts_file` while a group runs; `is_set()` turns True on a change.
+    """Lists the slots again while a group runs; `is_set()` turns True on a change.
 
     It stands in for the launcher's stop event in `WorkerGroup.wait`: the wait ends on
     a signal (`should_stop`) or on a change of membership, kept in `change`.
 
     Args:
         membership: the launch's `Membership`, which judges each read.
-        hosts_file: the slot list (None: membership changes only by failures).
+        list_slots: lists the slots (`slot_source`; None: membership changes only by
+            failures).
         should_stop: the launcher's stop event.
         say: writes one launcher message line.
     """
 
-    def __init__(self, membership: Membership, hosts_file, should_stop, say):
+    def __init__(
+        self,
+        membership: Membership,
+        list_slots: Callable[[], list[str]] | None,
+        should_stop,
+        say,
+    ):
         self.membership = membership
-        self.hosts_file = hosts_file
+        self.list_slots = list_slots
         self.should_stop = should_stop
         self.say = say
         self.change: Change | None = None
@@ -208,10 +257,10 @@ class SlotListWatcher:
     def is_set(self) -> bool:
         if self.should_stop.is_set() or self.change is not None:
             return True
-        if self.hosts_file is None or time.monotonic() < self._next_read:
+        if self.list_slots is None or time.monotonic() < self._next_read:
             return False
         self._next_read = time.monotonic() + _REREAD_SECONDS
-        offered = self.membership.offer(read_slots(self.hosts_file))
+        offered = self.membership.offer(self.list_slots())
         if isinstance(offered, str):
             self.say(offered)
         elif offered is not None:
@@ -221,8 +270,8 @@ class SlotListWatcher:
     def wait_for_enough(self, timeout_seconds: float) -> Change | None:
         """Waits up to `timeout_seconds` for the list to offer enough slots again."""
         deadline = time.monotonic() + timeout_seconds
-        while self.hosts_file and time.monotonic() < deadline and not self.should_stop.is_set():
-            offered = self.membership.offer(read_slots(self.hosts_file))
+        while self.list_slots and time.monotonic() < deadline and not self.should_stop.is_set():
+            offered = self.membership.offer(self.list_slots())
             if isinstance(offered, Change) and self.membership.shortfall() is None:
                 return offered
             time.sleep(_REREAD_SECONDS)

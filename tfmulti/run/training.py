@@ -15,7 +15,7 @@ from tfmulti.compat import tf_profiler
 from tfmulti.config import TrainConfig
 from tfmulti.errors import IncompatibleCheckpoint, Preempted, TrainingError
 from tfmulti.models import registry
-from tfmulti.names import RESTART_COUNT_VARIABLE
+from tfmulti.names import RESTART_COUNT_VARIABLE, SLURM_RESTART_COUNT_VARIABLE
 from tfmulti.pipeline.stages.split_summary import split_summary
 from tfmulti.platform.cluster import ClusterInfo, worker_output_dir
 from tfmulti.platform.distribute_strategy import per_replica_batch_size
@@ -37,8 +37,12 @@ from tfmulti.strategies import get_training_strategy
 
 
 def restarted_by_launcher() -> bool:
-    """Whether `scripts/launch.py` (or a manager that sets the same variable) restarted us."""
-    return int(os.environ.get(RESTART_COUNT_VARIABLE, "0") or 0) > 0
+    """Whether `scripts/launch.py` (or a manager that sets the same variable) restarted
+    us, or SLURM requeued our job: then the run resumes from its checkpoints by itself."""
+    return any(
+        int(os.environ.get(name, "0") or 0) > 0
+        for name in (RESTART_COUNT_VARIABLE, SLURM_RESTART_COUNT_VARIABLE)
+    )
 
 
 def resume_directory(model_dir: str) -> str:
