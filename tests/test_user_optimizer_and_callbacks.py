@@ -38,7 +38,10 @@ USER_MODULE = textwrap.dedent(
     def adamw():
         schedule = keras.optimizers.schedules.CosineDecay(
             0.0, decay_steps=6, warmup_target=0.02, warmup_steps=4)
-        return keras.optimizers.AdamW(schedule, weight_decay=0.05)
+        optimizer = keras.optimizers.AdamW(schedule, weight_decay=0.5)
+        # Not in the optimizer's config: tfmulti's copy must carry it over.
+        optimizer.exclude_from_weight_decay(var_names=["kernel"])
+        return optimizer
 
 
     def compiled_with_adamw():

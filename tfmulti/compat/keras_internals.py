@@ -221,6 +221,20 @@ def track_loss(model: keras.Model, loss, sample_weight) -> None:
     tracker.update_state(unscale(loss), sample_weight=sample_weight)
 
 
+def copy_weight_decay_exclusions(
+    source: keras.optimizers.Optimizer, target: keras.optimizers.Optimizer
+) -> None:
+    """Gives `target` what `source.exclude_from_weight_decay` excluded, which an optimizer's
+    config leaves out (`BaseOptimizer._exclude_from_weight_decay` and `..._pattern`): the
+    name patterns hold for any copy of the model; the variables listed, for those same
+    variables only."""
+    for name in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
+        if hasattr(source, name):
+            value = getattr(source, name)
+            setattr(target, name, set(value) if isinstance(value, set) else value)
+    target._exclude_from_weight_decay_cache = {}
+
+
 def learning_rate_setting(optimizer: keras.optimizers.Optimizer):
     """The learning rate `optimizer` was given (`Optimizer._learning_rate`): a number or a
     `LearningRateSchedule`, where the public `learning_rate` is its current value."""

@@ -203,7 +203,7 @@ def _copy_optimizer(reference: str, optimizer: keras.optimizers.Optimizer):
     ]
     custom_objects = {type(part).__name__: type(part) for part in optimizers + schedules}
     try:
-        return keras.optimizers.deserialize(
+        copy = keras.optimizers.deserialize(
             keras.optimizers.serialize(optimizer), custom_objects=custom_objects
         )
     except Exception as error:  # noqa: BLE001 - any failure means the config cannot rebuild it
@@ -213,3 +213,7 @@ def _copy_optimizer(reference: str, optimizer: keras.optimizers.Optimizer):
             f"tfmulti cannot re-create from its config ({type(error).__name__}: {reason}); give "
             "it get_config/from_config, or choose one with --optimizer and --learning_rate."
         ) from None
+    copy_parts = [copy, getattr(copy, "inner_optimizer", copy)]
+    for part, copied in zip(optimizers, copy_parts, strict=True):
+        keras_internals.copy_weight_decay_exclusions(part, copied)
+    return copy
