@@ -4,9 +4,12 @@
    for a known time (a sleep inside the graph, proportional to the micro-batch's rows), so
    the machine's two cores do not limit the overlap. For each schedule at p devices and
    m micro-batches: measured step time against the simulator's makespan, and speedup over
-   `model_parallel` against the ideal m·p/(m+p-1). ZB-H1's gain over 1F1B, measured and
-   predicted. A hold costs more than its sleep (TensorFlow's numpy_function dispatch,
-   ~0.9 ms here, whatever the executor does), so each record also simulates the schedule
+   `model_parallel` against the ideal m·p/(m+p-1). Gains, measured and predicted: ZB-H1
+   over 1F1B; ZB-V over ZB-H1 and 1F1B; interleaved zero bubble over interleaved 1F1B;
+   DualPipeV over ZB-V (its overlapped pairs run as F then B here, so it cannot gain).
+   A schedule that cannot run at some m (DualPipeV needs m >= 2p) is skipped there. A
+   hold costs more than its sleep (TensorFlow's numpy_function dispatch, ~0.9 ms here,
+   whatever the executor does), so each record also simulates the schedule
    with every hold at its cost measured alone in a one-device chain: that ratio is the
    executor's own overhead.
 2. real_compute: the Transformer reference model over 2 logical CPU devices, examples/sec
@@ -33,7 +36,24 @@ from tfmulti.flags.parsing import run_script
 from tfmulti.platform.tf_startup import start_tensorflow
 
 BENCHMARKS = ("fidelity", "real_compute", "memory")
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2")
+SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "interleaved_1f1b",
+    "zb_h1",
+    "zb_h2",
+    "zbv",
+    "interleaved_zb",
+    "dualpipev",
+)
+# (schedule, baseline): the gains the fidelity benchmark predicts and measures.
+GAINS = (
+    ("zb_h1", "1f1b"),
+    ("zbv", "zb_h1"),
+    ("zbv", "1f1b"),
+    ("interleaved_zb", "interleaved_1f1b"),
+    ("dualpipev", "zbv"),
+)
 
 define_console_flags()
 flags.DEFINE_list("benchmarks", list(BENCHMARKS), f"Which of {BENCHMARKS} to run.")
@@ -182,6 +202,7 @@ def _batch(rows, features=8):
 
 def fidelity_records(timeline_dir):
     from tfmulti.pipeline.runtime import write_timeline_report
+    from tfmulti.pipeline.schedules import SCHEDULE_CHUNKS, build_schedule
     from tfmulti.pipeline.simulate import CostModel, simulate
 
     p, rows = FLAGS.num_devices, FLAGS.batch_size
@@ -192,7 +213,12 @@ def fidelity_records(timeline_dir):
     records = []
     for m in (int(value) for value in FLAGS.microbatches):
         for schedule in FLAGS.schedules:
-            chunks = 2 if schedule == "interleaved_1f1b" else 1
+            chunks = SCHEDULE_CHUNKS.get(schedule, (1, 1))[0]
+            try:
+                build_schedule(schedule, p, m, chunks)
+            except ValueError as error:
+                print(json.dumps({"schedule": schedule, "microbatches": m, "skipped": str(error)}))
+                continue
             model = _hold_model(schedule, p, m, chunks, per_row)
             measured = _median_step_seconds(model, x, y, FLAGS.steps)
             forward = FLAGS.forward_ms / 1e3 / m
@@ -233,20 +259,22 @@ def fidelity_records(timeline_dir):
                     os.path.join(timeline_dir, f"step{m}.png"),
                     os.path.join(timeline_dir, f"timeline_{schedule}_m{m}.png"),
                 )
-    for m in {r["microbatches"] for r in records}:
+    for m in sorted({r["microbatches"] for r in records}):
         by_schedule = {r["schedule"]: r for r in records if r["microbatches"] == m}
-        if {"1f1b", "zb_h1"} <= set(by_schedule):
-            one_f, zb = by_schedule["1f1b"], by_schedule["zb_h1"]
-            records.append(
-                {
-                    "benchmark": "fidelity",
-                    "schedule": "zb_h1_vs_1f1b",
-                    "stages": p,
-                    "microbatches": m,
-                    "measured_gain": one_f["measured_s"] / zb["measured_s"] - 1,
-                    "predicted_gain": one_f["simulated_s"] / zb["simulated_s"] - 1,
-                }
-            )
+        for schedule, baseline in GAINS:
+            if {schedule, baseline} <= set(by_schedule):
+                new, old = by_schedule[schedule], by_schedule[baseline]
+                records.append(
+                    {
+                        "benchmark": "fidelity",
+                        "schedule": f"{schedule}_vs_{baseline}",
+                        "stages": new["stages"],
+                        "microbatches": m,
+                        "measured_gain": old["measured_s"] / new["measured_s"] - 1,
+                        "predicted_gain": old["simulated_s"] / new["simulated_s"] - 1,
+                    }
+                )
+                print(json.dumps(records[-1]), flush=True)
     return records
 
 
@@ -334,9 +362,10 @@ def plot(records, path):
     width = 0.8 / len(schedules)
     for index, schedule in enumerate(schedules):
         rows = {r["microbatches"]: r for r in fidelity if r["schedule"] == schedule}
-        positions = [k + index * width for k in range(len(microbatches))]
-        measured = [rows[m]["measured_s"] for m in microbatches]
-        simulated = [rows[m]["simulated_s"] for m in microbatches]
+        ran = [m for m in microbatches if m in rows]
+        positions = [microbatches.index(m) + index * width for m in ran]
+        measured = [rows[m]["measured_s"] for m in ran]
+        simulated = [rows[m]["simulated_s"] for m in ran]
         bars = times_axis.bar(positions, measured, width, label=schedule)
         times_axis.scatter(positions, simulated, color="black", marker="_", s=200, zorder=3)
         for axis, key in (
@@ -344,8 +373,8 @@ def plot(records, path):
             (fidelity_axis, "measured_over_simulated_at_hold_cost"),
         ):
             axis.plot(
-                microbatches,
-                [rows[m][key] for m in microbatches],
+                ran,
+                [rows[m][key] for m in ran],
                 marker="o",
                 color=bars[0].get_facecolor(),
                 label=schedule,

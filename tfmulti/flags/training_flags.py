@@ -26,7 +26,7 @@ from tfmulti.names import (
     TENSOR_REDUCTION_NAMES,
     TRAIN_STRATEGY_NAMES,
 )
-from tfmulti.pipeline.schedules import SCHEDULE_NAMES
+from tfmulti.pipeline.schedules import SCHEDULE_NAMES, chunks_fit_schedule
 from tfmulti.platform.launcher import VIRTUAL_DEVICES_ENV
 from tfmulti.user_code import is_function_reference
 
@@ -245,11 +245,7 @@ def _is_schedule(value: str) -> bool:
 
 
 def _chunks_fit_schedule(schedule: str, chunks: int) -> bool:
-    if schedule == "interleaved_1f1b":
-        return chunks >= 2
-    if schedule == "zbv":
-        return chunks == 2
-    return chunks == 1 or schedule not in SCHEDULE_NAMES
+    return schedule not in SCHEDULE_NAMES or chunks_fit_schedule(schedule, chunks)
 
 
 def _is_mesh(text: str | None) -> bool:
@@ -280,8 +276,8 @@ def define_pipeline_flags() -> None:
     flags.DEFINE_integer(
         "chunks",
         1,
-        "Model chunks per device: >= 2 with interleaved_1f1b, 2 with zbv, as in the file "
-        "with a .csv schedule.",
+        "Model chunks per device: >= 2 with interleaved_1f1b and interleaved_zb, 2 with zbv "
+        "and dualpipev, as in the file with a .csv schedule.",
         lower_bound=1,
     )
     flags.DEFINE_string(
@@ -374,8 +370,9 @@ def define_pipeline_flags() -> None:
     flags.register_multi_flags_validator(
         ["schedule", "chunks"],
         lambda values: _chunks_fit_schedule(values["schedule"], values["chunks"]),
-        message="--chunks must fit --schedule: >= 2 with interleaved_1f1b, 2 with zbv, 1 with "
-        "the others (a .csv schedule is checked against its file)",
+        message="--chunks must fit --schedule: >= 2 with interleaved_1f1b and interleaved_zb, "
+        "2 with zbv and dualpipev, 1 with the others (a .csv schedule is checked against its "
+        "file)",
     )
 
 

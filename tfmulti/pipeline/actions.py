@@ -55,12 +55,18 @@ class Schedule:
         stage_devices: device index of each stage; `len(stage_devices)` is the
             number of stages (p·v), `max + 1` the number of devices (p).
         device_actions: per device, the actions in execution order.
+        overlapped_pairs: per device (or empty for none), the positions i at which
+            actions i and i+1, a forward and a backward of different stages, form one
+            overlapped F&B unit (DualPipe): both start once both have their inputs, and
+            their outputs leave when the unit ends. The executor runs such a unit as the
+            forward, then the backward.
     """
 
     name: str
     num_microbatches: int
     stage_devices: tuple[int, ...]
     device_actions: tuple[tuple[Action, ...], ...]
+    overlapped_pairs: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -73,6 +79,10 @@ class Schedule:
     @property
     def chunks(self) -> int:
         return self.num_stages // self.num_devices
+
+    def pair_starts(self, device: int) -> tuple[int, ...]:
+        """Positions on `device` where an overlapped F&B unit starts (see `overlapped_pairs`)."""
+        return self.overlapped_pairs[device] if self.overlapped_pairs else ()
 
     @property
     def splits_backward(self) -> bool:

@@ -79,19 +79,27 @@ def run_in_order(
     schedule: Schedule,
     duration: Callable[[Action], float],
     transfer: Callable[[Action, Action], float],
+    pair_duration: Callable[[Action, Action], float] | None = None,
 ) -> tuple[list[TimedAction], list[Action | None]]:
     """Runs each device's actions in order, each as soon as its inputs have arrived.
+
+    An overlapped F&B unit (`Schedule.overlapped_pairs`) starts once both of its actions
+    have their inputs; its outputs leave when it ends. Its two records split its time in
+    proportion to the actions' own durations.
 
     Args:
         schedule: the schedule to run.
         duration: time an action takes.
         transfer: delay between a dependency ending and its consumer being able to start.
+        pair_duration: time an overlapped unit of two actions takes; defaults to the sum
+            of their durations (no overlap).
 
     Returns:
         `(records, stuck)`: the timed actions that ran, and per device the action it is
         stuck at (None for devices that finished). Any non-None entry means deadlock.
     """
     graph = DependencyGraph(schedule)
+    pair_starts = [set(schedule.pair_starts(d)) for d in range(schedule.num_devices)]
     next_index = [0] * schedule.num_devices
     device_free = [0.0] * schedule.num_devices
     end_time: dict[Action, float] = {}
@@ -102,21 +110,28 @@ def run_in_order(
         device = runnable.popleft()
         actions = schedule.device_actions[device]
         while next_index[device] < len(actions):
-            action = actions[next_index[device]]
-            dependencies = graph.dependencies(action)
-            missing = [d for d in dependencies if d not in end_time]
+            index = next_index[device]
+            unit = actions[index : index + (2 if index in pair_starts[device] else 1)]
+            inputs = [(d, a) for a in unit for d in graph.dependencies(a)]
+            missing = [d for d, _ in inputs if d not in end_time]
             if missing:
                 waiting_for[missing[0]].append(device)
                 break
-            start = max(
-                [device_free[device]] + [end_time[d] + transfer(d, action) for d in dependencies]
-            )
-            end = start + duration(action)
-            records.append(TimedAction(device, action, start, end))
-            end_time[action] = end
+            start = max([device_free[device]] + [end_time[d] + transfer(d, a) for d, a in inputs])
+            own = [duration(a) for a in unit]
+            total = sum(own)
+            if len(unit) == 2 and pair_duration is not None:
+                total = pair_duration(*unit)
+            end, shares = start, sum(own)
+            for action, own_time in zip(unit, own, strict=True):
+                action_end = end + (total * own_time / shares if shares else total / len(unit))
+                records.append(TimedAction(device, action, end, action_end))
+                end = action_end
+            for action in unit:
+                end_time[action] = end
+                runnable.extend(waiting_for.pop(action, ()))
             device_free[device] = end
-            next_index[device] += 1
-            runnable.extend(waiting_for.pop(action, ()))
+            next_index[device] += len(unit)
     stuck = [
         actions[index] if index < len(actions) else None
         for actions, index in zip(schedule.device_actions, next_index, strict=True)

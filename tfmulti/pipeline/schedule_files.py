@@ -6,8 +6,10 @@ one CSV row per rank, each cell an action `<stage><F|B|I|W><micro-batch>`: `0F0`
 forward of stage 0 on micro-batch 0, `1I0` and `1W0` the input- and weight-gradient halves
 of stage 1's backward, `2B1` a full backward. Empty cells are idle steps. Which device
 runs a stage follows from the row its actions are in, so chunks may be placed in any
-order (interleaved, V, ...). The sends and receives of PyTorch's `compute_comms` format
-are not needed here: the executor moves tensors between stages itself.
+order (interleaved, V, ...). An overlapped forward-and-backward pair (DualPipeV) is one
+cell, as PyTorch writes it: `(0F3;3B1)OVERLAP_F_B`. The sends and receives of PyTorch's
+`compute_comms` format are not needed here: the executor moves tensors between stages
+itself.
 
     0F0,0F1,1F0,0F2,...
     ,1F0,...
@@ -27,6 +29,7 @@ from tfmulti.pipeline.validate import ScheduleError, validate_schedule
 _PYTORCH_ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
 _TFMULTI_ACTION = re.compile(r"^([FBIW])(\d+)\.(\d+)$")
 # Actions as `Action.__str__` writes them inside validator messages (F0.3).
+_PYTORCH_PAIR = re.compile(r"^\(([^;()]+);([^;()]+)\)OVERLAP_F_B$")
 _ACTION_IN_MESSAGE = re.compile(r"\b([FBIW])(\d+)\.(\d+)\b")
 
 
@@ -71,7 +74,8 @@ def schedule_from_lists(
 
     Args:
         device_actions: per device, its actions in order, as `Action`s or strings (`0F0` or
-            `F0.0`); empty strings and None are idle steps and are skipped.
+            `F0.0`, or an overlapped pair `(0F3;3B1)OVERLAP_F_B`); empty strings and None
+            are idle steps and are skipped.
         name: the schedule's name.
         num_microbatches: micro-batches per step; defaults to the largest index + 1.
 
@@ -86,26 +90,31 @@ def schedule_from_lists(
     """
     if not device_actions:
         raise ScheduleError("A schedule needs at least one device's actions. Received: none")
-    rows = []
+    rows, pairs = [], []
     stage_device: dict[int, tuple[int, Action]] = {}
     for device, row in enumerate(device_actions):
-        actions = []
+        actions, pair_starts = [], []
         for token in row:
             if token is None or (isinstance(token, str) and not token.strip()):
                 continue
-            try:
-                action = token if isinstance(token, Action) else parse_action(token)
-            except ValueError as error:
-                raise ScheduleError(f"Device {device}: {error}") from None
-            first = stage_device.setdefault(action.stage, (device, action))
-            if first[0] != device:
-                raise ScheduleError(
-                    f"Action {pytorch_action_name(action)} is on device {device}, but stage "
-                    f"{action.stage} already runs on device {first[0]} "
-                    f"({pytorch_action_name(first[1])}); each stage runs on one device."
-                )
-            actions.append(action)
+            pair = _PYTORCH_PAIR.match(token.strip()) if isinstance(token, str) else None
+            if pair:
+                pair_starts.append(len(actions))
+            for part in pair.groups() if pair else (token,):
+                try:
+                    action = part if isinstance(part, Action) else parse_action(part)
+                except ValueError as error:
+                    raise ScheduleError(f"Device {device}: {error}") from None
+                first = stage_device.setdefault(action.stage, (device, action))
+                if first[0] != device:
+                    raise ScheduleError(
+                        f"Action {pytorch_action_name(action)} is on device {device}, but "
+                        f"stage {action.stage} already runs on device {first[0]} "
+                        f"({pytorch_action_name(first[1])}); each stage runs on one device."
+                    )
+                actions.append(action)
         rows.append(tuple(actions))
+        pairs.append(tuple(pair_starts))
     if not stage_device:
         raise ScheduleError("The schedule has no actions.")
     missing = [s for s in range(max(stage_device) + 1) if s not in stage_device]
@@ -120,6 +129,7 @@ def schedule_from_lists(
         num_microbatches=microbatches if num_microbatches is None else num_microbatches,
         stage_devices=tuple(stage_device[s][0] for s in range(len(stage_device))),
         device_actions=tuple(rows),
+        overlapped_pairs=tuple(pairs) if any(pairs) else (),
     )
 
 
@@ -146,8 +156,11 @@ def schedule_to_csv(schedule: Schedule) -> str:
     """
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    for actions in schedule.device_actions:
-        writer.writerow(pytorch_action_name(action) for action in actions)
+    for device, actions in enumerate(schedule.device_actions):
+        cells = [pytorch_action_name(action) for action in actions]
+        for index in reversed(schedule.pair_starts(device)):
+            cells[index : index + 2] = [f"({cells[index]};{cells[index + 1]})OVERLAP_F_B"]
+        writer.writerow(cells)
     return out.getvalue()
 
 

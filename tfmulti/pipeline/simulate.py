@@ -12,7 +12,7 @@ weight gradient still reads the stage's inputs, as in the zero-bubble paper).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tfmulti.pipeline.actions import (
     BACKWARD,
@@ -76,6 +76,9 @@ class CostModel:
     Args:
         stages: one `StageCost` per stage (over all chunks).
         transfer_time: delay between a stage finishing and the next device receiving.
+        pair_times: time of an overlapped F&B unit (`Schedule.overlapped_pairs`), keyed by
+            (forward stage, backward stage), as measured; a pair not listed takes its two
+            actions' time, F then B, as tfmulti's executor runs it.
 
     Example:
         >>> costs = CostModel.uniform(4, forward=1, backward=2, weight_grad=1)
@@ -85,10 +88,21 @@ class CostModel:
 
     stages: tuple[StageCost, ...]
     transfer_time: float = 0.0
+    pair_times: Mapping[tuple[int, int], float] = dataclasses.field(
+        default_factory=dict, hash=False
+    )
 
     def __post_init__(self):
         if self.transfer_time < 0:
             raise ValueError(f"transfer_time must be >= 0. Received: {self.transfer_time}")
+        if any(time < 0 for time in self.pair_times.values()):
+            raise ValueError(f"pair_times must be >= 0. Received: {dict(self.pair_times)}")
+
+    def pair_duration(self, forward: Action, backward: Action) -> float:
+        """Time of the overlapped unit of `forward` and `backward`."""
+        own = self.stages[forward.stage].forward
+        own += self.stages[backward.stage].duration(backward.kind)
+        return self.pair_times.get((forward.stage, backward.stage), own)
 
     @classmethod
     def uniform(
@@ -208,7 +222,10 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimulationRe
         return 0.0 if same_device else costs.transfer_time
 
     records, stuck = run_in_order(
-        schedule, lambda a: costs.stages[a.stage].duration(a.kind), transfer
+        schedule,
+        lambda a: costs.stages[a.stage].duration(a.kind),
+        transfer,
+        costs.pair_duration,
     )
     if any(action is not None for action in stuck):
         waiting = ", ".join(f"device {d} at {a}" for d, a in enumerate(stuck) if a is not None)

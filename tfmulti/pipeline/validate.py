@@ -37,6 +37,7 @@ def validate_schedule(schedule: Schedule) -> None:
         >>> validate_schedule(build_schedule("zb_h1", 4, 8))
     """
     _check_shape(schedule)
+    _check_pairs(schedule)
     positions = _check_placement_and_uniqueness(schedule)
     _check_completeness(schedule, positions)
     _check_device_order(schedule, positions)
@@ -60,6 +61,30 @@ def _check_shape(schedule: Schedule) -> None:
                 f"Stage {stage} is mapped to device {device}, but the schedule has action "
                 f"lists for devices 0..{schedule.num_devices - 1}."
             )
+
+
+def _check_pairs(schedule: Schedule) -> None:
+    if schedule.overlapped_pairs and len(schedule.overlapped_pairs) != schedule.num_devices:
+        raise ScheduleError(
+            f"overlapped_pairs needs one entry per device ({schedule.num_devices}). "
+            f"Received: {len(schedule.overlapped_pairs)} entries"
+        )
+    for device, actions in enumerate(schedule.device_actions):
+        previous = -2
+        for index in sorted(schedule.pair_starts(device)):
+            if not 0 <= index < len(actions) - 1 or index == previous + 1:
+                raise ScheduleError(
+                    f"Overlapped pair at position {index} on device {device} does not name "
+                    f"two actions of its own; positions 0..{len(actions) - 2} that do not "
+                    "share an action would."
+                )
+            first, second = actions[index], actions[index + 1]
+            if first.kind != FORWARD or second.kind not in (BACKWARD, INPUT_GRAD):
+                raise ScheduleError(
+                    f"Overlapped pair {first}+{second} on device {device} must be a forward "
+                    "followed by a backward (B or I)."
+                )
+            previous = index
 
 
 def _check_placement_and_uniqueness(schedule: Schedule) -> dict[Action, tuple[int, int]]:
