@@ -90,7 +90,8 @@ flags.register_validator(
 
 @flags.multi_flags_validator(
     ["schedule", "chunks", "compare", "schedule_file"],
-    message="--chunks applies only to --schedule=interleaved_1f1b or zbv (or --compare); drop it",
+    message=f"--chunks applies only to --schedule={'|'.join(CHUNKED_SCHEDULES)} (or --compare); "
+    "drop it",
 )
 def _chunks_only_when_chunked(values):
     chunked = values["schedule"] in CHUNKED_SCHEDULES or values["compare"]

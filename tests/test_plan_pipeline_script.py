@@ -9,7 +9,16 @@ import pytest
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "plan_pipeline.py")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv"]
+SCHEDULES = [
+    "gpipe",
+    "1f1b",
+    "interleaved_1f1b",
+    "zb_h1",
+    "zb_h2",
+    "zbv",
+    "interleaved_zb",
+    "dualpipev",
+]
 
 
 def _run(*args):

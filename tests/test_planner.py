@@ -7,6 +7,7 @@ import pytest
 from script_runner import last_line, run_script
 
 from tfmulti.pipeline import SCHEDULE_NAMES, CostModel, StageCost, build_schedule, simulate
+from tfmulti.pipeline.schedules import SCHEDULE_CHUNKS
 from tfmulti.planner import (
     AffineTime,
     BlockCost,
@@ -26,6 +27,11 @@ from tfmulti.platform.mesh import HybridMesh
 
 GLOBAL_BATCH = 16
 HARDWARE = Hardware(bandwidth=2e8)
+
+
+def _chunk_counts(schedule, max_chunks):
+    fewest, most = SCHEDULE_CHUNKS.get(schedule, (1, 1))
+    return range(fewest, min(most or max_chunks, max_chunks) + 1)
 
 
 def _costs(num_blocks=8, tensor_sizes=(1, 2), num_layers=None):
@@ -61,11 +67,7 @@ def _exhaustive_step_times(costs, num_devices, hardware):
             shapes = [
                 (schedule, m, chunks)
                 for schedule in SCHEDULE_NAMES
-                for chunks in (
-                    {"interleaved_1f1b": (2, 3, 4), "zbv": (2,)}.get(schedule, (1,))
-                    if tensor == 1
-                    else (1,)
-                )
+                for chunks in (_chunk_counts(schedule, max_chunks=4) if tensor == 1 else (1,))
                 for m in microbatch_counts
             ]
         for schedule, m, chunks in shapes:
@@ -235,7 +237,12 @@ def test_plan_script_prints_json_layouts_from_a_cost_file(tmp_path):
     path = str(tmp_path / "costs.json")
     save_costs(_costs(), path)
     result = run_script(
-        "plan.py", f"--costs={path}", "--devices=4", f"--global_batch={GLOBAL_BATCH}", "--json"
+        "plan.py",
+        f"--costs={path}",
+        "--devices=4",
+        f"--global_batch={GLOBAL_BATCH}",
+        "--machine_costs=none",
+        "--json",
     )
     assert result.returncode == 0, result.stderr
     output = json.loads(result.stdout)
@@ -248,7 +255,9 @@ def test_plan_script_prints_json_layouts_from_a_cost_file(tmp_path):
 def test_plan_script_table_lists_layouts_and_train_commands(tmp_path):
     path = str(tmp_path / "costs.json")
     save_costs(_costs(), path)
-    result = run_script("plan.py", f"--costs={path}", "--devices=2", "--top=3")
+    result = run_script(
+        "plan.py", f"--costs={path}", "--devices=2", "--top=3", "--machine_costs=none"
+    )
     assert result.returncode == 0, result.stderr
     assert "step ms" in result.stdout
     assert result.stdout.count("python scripts/train.py") == 3
@@ -268,7 +277,13 @@ def test_plan_script_bad_flag_is_one_line_naming_it(flag, name):
 def test_plan_script_with_no_fitting_layout_says_what_to_change(tmp_path):
     path = str(tmp_path / "costs.json")
     save_costs(_costs(), path)
-    result = run_script("plan.py", f"--costs={path}", "--devices=2", "--memory_per_device=1")
+    result = run_script(
+        "plan.py",
+        f"--costs={path}",
+        "--devices=2",
+        "--memory_per_device=1",
+        "--machine_costs=none",
+    )
     assert result.returncode == 1
     assert "--memory_per_device" in last_line(result.stderr)
 

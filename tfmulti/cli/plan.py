@@ -11,14 +11,18 @@ Examples:
   tfmulti-plan --costs=/tmp/costs.json --devices=8 --json
   tfmulti-plan --devices=2 --allow_fewer_devices --validate=4   # run them, compare
 
-Assumptions (see docs/guide/hybrid_and_planner.md): block times are affine in the micro-batch size;
-devices run independently; every link moves --bandwidth bytes/s (ring all-reduce
-2(n-1)/n x bytes / bandwidth); a tensor-split block computes 1/K of its per-example
-work plus two output all-reduces per pass; memory is parameter state
-(--bytes_per_param per parameter) plus the block outputs kept for the backward.
+Cost model (see docs/planner.md): block times are affine in the micro-batch size; the
+framework's own per-step costs (a step's fixed cost, each replica's dispatch, the pipeline
+executor's cost per action and loop round), the all-reduce's latency and bandwidth and
+how much the devices overlap are measured once per machine by small benchmarks and kept
+in --cost_cache (--machine_costs=none: devices independent, links of --bandwidth bytes/s);
+a tensor-split block computes 1/K of its per-example work plus two output all-reduces per
+pass; memory is parameter state (--bytes_per_param per parameter) plus the block outputs
+kept for the backward. Each predicted time carries the ± its measurements' spread gives.
 """
 
 import json
+import os
 import re
 import sys
 import tempfile
@@ -29,6 +33,7 @@ from tfmulti.flags.console_flags import define_console_flags
 from tfmulti.flags.parsing import run_script
 from tfmulti.flags.training_flags import define_data_flags, parse_model_option
 from tfmulti.planner import Hardware, load_costs, save_costs, search_layouts
+from tfmulti.planner.accuracy import accuracy
 from tfmulti.planner.report import (
     format_layouts,
     layout_json,
@@ -85,6 +90,20 @@ flags.DEFINE_bool(
     "does not overlap.",
 )
 flags.DEFINE_string("costs", None, "Read block costs from this JSON cost file; no measuring.")
+flags.DEFINE_enum(
+    "machine_costs",
+    "measure",
+    ["measure", "none"],
+    "measure: the framework's per-step costs, the all-reduce and the devices' overlap, "
+    "measured once per machine and kept in --cost_cache; none: leave them out (devices "
+    "independent, links of --bandwidth).",
+)
+flags.DEFINE_string(
+    "cost_cache",
+    os.path.join(os.path.expanduser("~"), ".cache", "tfmulti", "planner_costs.json"),
+    "JSON file keeping the machine's measured costs between plans.",
+)
+flags.DEFINE_bool("remeasure_machine", False, "Measure the machine's costs again.")
 flags.DEFINE_string("save_costs", None, "Write the measured block costs to this JSON file.")
 flags.DEFINE_list(
     "measure_batch_sizes",
@@ -118,20 +137,48 @@ def _parse_bytes(text: str) -> float | None:
     return float(match.group(1)) * _BYTE_UNITS[match.group(2).upper()]
 
 
-def _model_costs():
-    if FLAGS.costs:
-        return load_costs(FLAGS.costs)
+def _start_tensorflow() -> None:
+    """Starts TensorFlow with --devices logical devices (two at least, for the benchmarks)."""
     from tfmulti.platform.tf_startup import start_tensorflow
 
     start_tensorflow(FLAGS.tf_log_level)
-    from tfmulti.planner.measure import measure_model_costs
+    from tfmulti.platform.devices import configure_logical_devices
 
-    if is_function_reference(FLAGS.model):
-        raise ValueError(
-            "The planner measures the reference models' blocks; pass --costs for your own "
-            f"model. Received: --model={FLAGS.model}"
-        )
+    configure_logical_devices(max(FLAGS.devices, 2))
+
+
+def _machine_costs():
+    if FLAGS.machine_costs == "none":
+        return None
+    _start_tensorflow()
+    from tfmulti.costing.cost_cache import CostCache
+    from tfmulti.planner.machine_benchmarks import machine_costs
+    from tfmulti.platform.devices import logical_device_names
+
+    devices = logical_device_names()[: max(FLAGS.devices, 2)]
+    return machine_costs(devices, CostCache(FLAGS.cost_cache), FLAGS.remeasure_machine)
+
+
+def _model_costs(machine):
+    if FLAGS.costs:
+        return load_costs(FLAGS.costs)
+    _start_tensorflow()
+    from tfmulti.planner.measure import measure_model_costs, measure_user_model_costs
+
     sizes = FLAGS.measure_batch_sizes or [max(1, FLAGS.global_batch // 8), FLAGS.global_batch]
+    if is_function_reference(FLAGS.model):
+        costs = measure_user_model_costs(
+            FLAGS.model,
+            FLAGS.dataset,
+            data_path=FLAGS.data_path,
+            model_options=dict(parse_model_option(option) for option in FLAGS.model_option),
+            batch_sizes=[int(size) for size in sizes],
+            seed=FLAGS.seed,
+            machine=machine,
+        )
+        if FLAGS.save_costs:
+            save_costs(costs, FLAGS.save_costs)
+        return costs
     costs = measure_model_costs(
         FLAGS.model,
         FLAGS.dataset,
@@ -140,6 +187,7 @@ def _model_costs():
         batch_sizes=[int(size) for size in sizes],
         seed=FLAGS.seed,
         rounds=FLAGS.measure_rounds,
+        machine=machine,
     )
     if FLAGS.save_costs:
         save_costs(costs, FLAGS.save_costs)
@@ -148,17 +196,34 @@ def _model_costs():
 
 def _layouts_to_validate(layouts, costs):
     """The best --validate layouts of different kinds that train.py runs, and the best
-    one-device layout as the baseline when fewer devices are allowed."""
-    runnable = [
-        layout
-        for layout in distinct_layouts(layouts, len(layouts))
-        if accepts_flags(train_flags(layout, costs, FLAGS.global_batch))
-    ]
-    chosen = runnable[: FLAGS.validate]
-    baseline = next((layout for layout in runnable if layout.mesh.num_devices == 1), None)
+    one-device layout as the baseline when fewer devices are allowed. Each check starts
+    train.py, so checking stops once both are found."""
+    chosen, baseline = [], None
+    for layout in distinct_layouts(layouts, len(layouts)):
+        wanted = len(chosen) < FLAGS.validate or (baseline is None and layout.mesh.num_devices == 1)
+        if not wanted:
+            if baseline is not None or not FLAGS.allow_fewer_devices:
+                break
+            continue
+        if not accepts_flags(train_flags(layout, costs, FLAGS.global_batch)):
+            continue
+        if len(chosen) < FLAGS.validate:
+            chosen.append(layout)
+        elif layout.mesh.num_devices == 1:
+            baseline = layout
+        if layout.mesh.num_devices == 1 and baseline is None:
+            baseline = layout
     if baseline is not None and baseline not in chosen:
         chosen.append(baseline)
     return chosen
+
+
+def _validation_accuracy(measurements):
+    """MAPE, Kendall tau and best gap over the layouts that ran, or None if none did."""
+    ran = [m for m in measurements if m.measured_step_time is not None]
+    if not ran:
+        return None
+    return accuracy([m.layout.step_time for m in ran], [m.measured_step_time for m in ran])
 
 
 def _validation_table(measurements) -> str:
@@ -173,16 +238,29 @@ def _validation_table(measurements) -> str:
                 f"{measured / measurement.layout.step_time:.2f}" if measured else "-",
             )
         )
-    columns = ("#", "mesh", "schedule", "m", "v", "split", "predicted ms", "measured ms", "ratio")
+    columns = (
+        "#",
+        "mesh",
+        "schedule",
+        "m",
+        "v",
+        "split",
+        "predicted ms",
+        "measured ms",
+        "measured/predicted",
+    )
     failures = [
         f"{rank}: {m.error}" for rank, m in enumerate(measurements, 1) if m.error is not None
     ]
-    return "\n".join([format_table(rows, columns), *failures])
+    figures = _validation_accuracy(measurements)
+    summary = [f"\n{figures.summary()}"] if figures else []
+    return "\n".join([format_table(rows, columns), *failures, *summary])
 
 
 def _plan(argv: list[str]) -> None:
     del argv
-    costs = _model_costs()
+    machine = _machine_costs()
+    costs = _model_costs(machine)
     hardware = Hardware(
         bandwidth=FLAGS.bandwidth,
         bytes_per_param=FLAGS.bytes_per_param,
@@ -190,6 +268,7 @@ def _plan(argv: list[str]) -> None:
         memory_per_device=_parse_bytes(FLAGS.memory_per_device)
         if FLAGS.memory_per_device
         else None,
+        machine=machine,
     )
     layouts = search_layouts(
         costs,
@@ -220,6 +299,7 @@ def _plan(argv: list[str]) -> None:
             repeats=FLAGS.validate_repeats,
         )
     if FLAGS.json:
+        figures = _validation_accuracy(measurements)
         output = {
             "model": costs.model,
             "model_options": costs.model_options,
@@ -232,11 +312,17 @@ def _plan(argv: list[str]) -> None:
                 {
                     **layout_json(m.layout, costs, FLAGS.global_batch),
                     "measured_step_time": m.measured_step_time,
+                    "measured_over_predicted": (
+                        m.measured_step_time / m.layout.step_time if m.measured_step_time else None
+                    ),
                     "error": m.error,
                 }
                 for m in measurements
             ],
+            "machine_costs": hardware.machine.to_json() if hardware.machine else None,
         }
+        if figures is not None:
+            output.update(figures.to_json())
         json.dump(output, sys.stdout, indent=1)
         print()
         return
@@ -248,7 +334,7 @@ def _plan(argv: list[str]) -> None:
     if measurements:
         print(
             "\nPredicted against measured step time "
-            "(scripts/train.py, fastest epoch after the first):\n"
+            "(scripts/train.py, median step after the first epoch):\n"
         )
         print(_validation_table(measurements))
 

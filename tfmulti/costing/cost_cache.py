@@ -5,6 +5,11 @@ The seconds stay valid while the block runs the same operations on the same shap
 same kind of device with the same TensorFlow, so an entry is keyed by `block_signature`
 (class, config without name and seeds, weight shapes, input signature) and the whole file by
 `environment()` (device kind, TensorFlow and Keras versions).
+
+Beside the blocks, the file keeps the machine's own measured costs (`put_machine`): the
+framework's per-step, per-replica and per-action costs, the all-reduce and how much
+logical devices overlap (`tfmulti.planner.machine_benchmarks`), keyed by what they were
+measured over ("devices=4").
 """
 
 from __future__ import annotations
@@ -124,18 +129,22 @@ class CostCache:
     def __init__(self, path: str, remeasure: bool = False):
         self.path = path
         self._environment = environment()
-        self._entries: dict[str, dict] = {} if remeasure else self._read()
+        self._entries: dict[str, dict] = {}
+        self._machine: dict[str, dict] = {}
+        if not remeasure:
+            self._entries, self._machine = self._read()
         self._changed = False
 
-    def _read(self) -> dict[str, dict]:
+    def _read(self) -> tuple[dict[str, dict], dict[str, dict]]:
         if not os.path.exists(self.path):
-            return {}
+            return {}, {}
         try:
             with open(self.path) as handle:
                 content = json.load(handle)
             entries = content["blocks"]
             for entry in entries.values():
                 float(entry["forward_seconds"]), float(entry["backward_seconds"])
+            machine = dict(content.get("machine", {}))
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
             logging.warning(
                 "Ignoring the damaged block cost cache %s (%s: %s); timing the blocks again.",
@@ -143,15 +152,24 @@ class CostCache:
                 type(error).__name__,
                 error,
             )
-            return {}
+            return {}, {}
         if content.get("format") != _FORMAT or content.get("environment") != self._environment:
             logging.info(
                 "Block cost cache %s was measured elsewhere (%s); timing the blocks again.",
                 self.path,
                 content.get("environment"),
             )
-            return {}
-        return entries
+            return {}, {}
+        return entries, machine
+
+    def get_machine(self, key: str) -> dict | None:
+        """The machine's measured costs kept under `key` (e.g. "devices=4"), or None."""
+        return self._machine.get(key)
+
+    def put_machine(self, key: str, costs: dict) -> None:
+        """Keeps the machine's measured costs (a JSON object) under `key`."""
+        self._machine[key] = dict(costs)
+        self._changed = True
 
     def get(self, signature: str) -> tuple[float, float] | None:
         """The cached (forward, backward) seconds of blocks with `signature`, or None."""
@@ -176,7 +194,12 @@ class CostCache:
             return
         directory = os.path.dirname(self.path) or "."
         os.makedirs(directory, exist_ok=True)
-        content = {"format": _FORMAT, "environment": self._environment, "blocks": self._entries}
+        content = {
+            "format": _FORMAT,
+            "environment": self._environment,
+            "blocks": self._entries,
+            "machine": self._machine,
+        }
         with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as handle:
             json.dump(content, handle, indent=1, sort_keys=True)
         os.replace(handle.name, self.path)

@@ -28,6 +28,7 @@ import json
 from collections.abc import Sequence
 
 from tfmulti.pipeline.balance import Block
+from tfmulti.planner.machine import MachineCosts
 
 COST_FILE_FORMAT = "tfmulti.planner.costs/1"
 GRADIENT_BYTES_PER_PARAM = 4.0
@@ -84,6 +85,7 @@ class BlockCost:
         tensor_replicated_bytes: bytes of the weights every device of a tensor group
             reads (a Transformer block's norms and the biases after its reductions), sent
             from the group's first device each pass.
+        variables: trainable variables (what a data-parallel replica updates one by one).
     """
 
     name: str
@@ -93,6 +95,7 @@ class BlockCost:
     activation_bytes_per_example: float
     tensor_allreduces: int = 0
     tensor_replicated_bytes: float = 0.0
+    variables: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +110,8 @@ class ModelCosts:
         blocks: one `BlockCost` per block, in order.
         tensor_parallel_sizes: tensor-group sizes the model can be built with (1: none).
         measured_batch_sizes: batch sizes the times were fitted from.
+        timing_spread: the block timings' relative spread between rounds (interquartile
+            range over median), the uncertainty they carry.
     """
 
     model: str
@@ -116,6 +121,7 @@ class ModelCosts:
     blocks: tuple[BlockCost, ...]
     tensor_parallel_sizes: tuple[int, ...] = (1,)
     measured_batch_sizes: tuple[int, ...] = ()
+    timing_spread: float = 0.0
 
     def to_json(self) -> dict:
         """The cost file's JSON object."""
@@ -139,6 +145,7 @@ class ModelCosts:
                     activation_bytes_per_example=float(block["activation_bytes_per_example"]),
                     tensor_allreduces=int(block.get("tensor_allreduces", 0)),
                     tensor_replicated_bytes=float(block.get("tensor_replicated_bytes", 0.0)),
+                    variables=int(block.get("variables", 0)),
                 )
                 for block in data["blocks"]
             )
@@ -150,6 +157,7 @@ class ModelCosts:
                 blocks=blocks,
                 tensor_parallel_sizes=tuple(data.get("tensor_parallel_sizes", (1,))),
                 measured_batch_sizes=tuple(data.get("measured_batch_sizes", ())),
+                timing_spread=float(data.get("timing_spread", 0.0)),
             )
         except (KeyError, TypeError) as error:
             raise ValueError(
@@ -182,12 +190,16 @@ class Hardware:
         shared_compute: the devices share one processor (logical devices of one CPU or
             GPU), so their work does not overlap: a step takes at least the busy time of
             all devices together.
+        machine: the framework's measured per-step costs and the devices' measured
+            overlap and all-reduce (`MachineCosts`); when given, its all-reduce replaces
+            `bandwidth` and its serial fraction replaces `shared_compute`.
     """
 
     bandwidth: float = 10e9
     bytes_per_param: float = 16.0
     memory_per_device: float | None = None
     shared_compute: bool = False
+    machine: MachineCosts | None = None
 
     def __post_init__(self):
         if self.bandwidth <= 0:
@@ -201,6 +213,13 @@ def ring_allreduce_seconds(num_bytes: float, group_size: int, bandwidth: float) 
     return 2 * (group_size - 1) / group_size * num_bytes / bandwidth
 
 
+def allreduce_seconds(num_bytes: float, group_size: int, hardware: Hardware) -> float:
+    """An all-reduce on `hardware`: measured latency and bandwidth if known, else the ring."""
+    if hardware.machine is not None:
+        return hardware.machine.allreduce_seconds(num_bytes, group_size)
+    return ring_allreduce_seconds(num_bytes, group_size, hardware.bandwidth)
+
+
 def blocks_at(
     costs: ModelCosts, microbatch_size: float, tensor_parallel: int, hardware: Hardware
 ) -> list[Block]:
@@ -212,8 +231,8 @@ def blocks_at(
     for block in costs.blocks:
         activation_bytes = block.activation_bytes_per_example * microbatch_size
         split = tensor_parallel if block.tensor_allreduces else 1
-        communication = block.tensor_allreduces * ring_allreduce_seconds(
-            activation_bytes, split, hardware.bandwidth
+        communication = block.tensor_allreduces * allreduce_seconds(
+            activation_bytes, split, hardware
         )
         blocks.append(
             Block(

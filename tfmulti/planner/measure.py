@@ -1,13 +1,25 @@
-"""Measuring a reference model's block costs on this machine (imports TensorFlow).
+"""Measuring a model's block costs on this machine (imports TensorFlow).
 
-Each block is timed (forward, backward) with `measure_blocks` on real batches of the
-dataset at two batch sizes, and the times are fitted as fixed + per-example parts. Each
-block's functions are traced once per size and timed `rounds` times; blocks that cost the
-same (a Transformer's layers) are timed once.
+A reference model's blocks are timed (forward, backward) with `measure_blocks` on real
+batches of the dataset at two batch sizes, and the times are fitted as fixed +
+per-example parts. Each block's functions are traced once per size and timed `rounds`
+times; blocks that cost the same (a Transformer's layers) are timed once.
+
+A user's functional model (`--model=package.module:function`) is costed call by call,
+the calls `PipelineModel.from_model` cuts between (`call_blocks` over its call graph,
+nested models opened), timed the same way at the same two batch sizes.
+
+A block timed on its own pays a function call and a copy of its outputs that it does not
+pay inside a training step, where every block runs in one graph. So the whole model's
+one-device training step is measured too, at the same two batch sizes, and the blocks'
+fixed and per-example parts are scaled so that they add up to it (less the step's
+framework cost, `MachineCosts.step_seconds`): the blocks keep their shares, which choose
+the stage splits, and add up to what a step really computes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -15,6 +27,8 @@ from tfmulti.data import dataset_task, load_source
 from tfmulti.models import registry
 from tfmulti.pipeline.stages.block_partition import measure_blocks
 from tfmulti.planner.costs import AffineTime, BlockCost, ModelCosts
+from tfmulti.planner.machine import MachineCosts
+from tfmulti.user_code import is_function_reference, load_function
 
 # Output all-reduces per pass of a block split Megatron-style: one after attention, one
 # after the MLP.
@@ -29,6 +43,7 @@ def measure_model_costs(
     batch_sizes: Sequence[int] = (8, 64),
     seed: int = 0,
     rounds: int = 3,
+    machine: MachineCosts | None = None,
 ) -> ModelCosts:
     """Times every block of reference model `model` on `dataset` at each of `batch_sizes`.
 
@@ -42,6 +57,9 @@ def measure_model_costs(
         seed: weights and data.
         rounds: times each block is measured at each size; the fastest counts, since
             other processes on the machine only ever slow a block down.
+        machine: the machine's measured framework costs; when given, the blocks are
+            scaled to add up to the model's measured one-device step less the
+            framework's cost of that step (`MachineCosts.step_seconds`).
 
     Returns:
         The `ModelCosts`, ready for `search_layouts` or `save_costs`.
@@ -69,6 +87,7 @@ def measure_model_costs(
     measured = [
         measure_blocks(blocks, source.x_train[:size], rounds=rounds) for size in batch_sizes
     ]
+    variables = _built_variable_counts(blocks, source.x_train[:1])
     costs = []
     for index, block in enumerate(blocks):
         forward = [per_size[index].forward_time for per_size in measured]
@@ -83,7 +102,21 @@ def measure_model_costs(
                 activation_bytes_per_example=largest.activation_bytes / batch_sizes[-1],
                 tensor_allreduces=_TENSOR_ALLREDUCES.get(type(block).__name__, 0),
                 tensor_replicated_bytes=_tensor_replicated_bytes(block),
+                variables=variables[index],
             )
+        )
+    if machine is not None:
+        costs = scaled_to_step(
+            costs,
+            _one_device_step(
+                lambda: registry.build_model(
+                    model, info.input_shape, info.num_classes, seed, **model_options
+                ),
+                source.x_train,
+                source.y_train,
+                batch_sizes,
+            ),
+            machine.step_seconds(sum(variables)),
         )
     return ModelCosts(
         model=model,
@@ -94,6 +127,64 @@ def measure_model_costs(
         tensor_parallel_sizes=_tensor_parallel_sizes(model, blocks),
         measured_batch_sizes=tuple(batch_sizes),
     )
+
+
+def _built_variable_counts(blocks, sample_input) -> list[int]:
+    """Trainable variables of each block, built by running `sample_input` through them."""
+    outputs = sample_input
+    for block in blocks:
+        outputs = block(outputs)
+    return [len(block.trainable_variables) for block in blocks]
+
+
+def _one_device_step(build, x, y, batch_sizes) -> AffineTime:
+    """The model's one-device training step (median of steps, the sizes' steps
+    interleaved), fitted over batch size."""
+    import keras
+
+    from tfmulti.planner.machine_benchmarks import interleaved_step_seconds
+
+    def compiled():
+        model = build()
+        if not getattr(model, "compiled", False) or model.loss is None:
+            # What train.py trains a model with that its function did not compile.
+            loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+            model.compile(optimizer="adam", loss=loss)
+        return model
+
+    keras.utils.set_random_seed(0)
+    runs = [(compiled, x[:size], y[:size]) for size in batch_sizes]
+    return AffineTime.fit(batch_sizes, interleaved_step_seconds(runs, []))
+
+
+def scaled_to_step(
+    blocks: Sequence[BlockCost], step: AffineTime, step_framework: float
+) -> list[BlockCost]:
+    """`blocks` with fixed and per-example parts scaled to add up to `step` less `step_framework`.
+
+    Example:
+        >>> block = BlockCost("b", 1, AffineTime(2.0, 1.0), AffineTime(2.0, 1.0), 4.0)
+        >>> scaled_to_step([block], AffineTime(3.0, 1.0), 1.0)[0].forward_seconds
+        AffineTime(fixed=1.0, per_example=0.5)
+    """
+    fixed = sum(b.forward_seconds.fixed + b.backward_seconds.fixed for b in blocks)
+    per_example = sum(
+        b.forward_seconds.per_example + b.backward_seconds.per_example for b in blocks
+    )
+    fixed_scale = max(step.fixed - step_framework, 0.0) / fixed if fixed else 1.0
+    example_scale = step.per_example / per_example if per_example else 1.0
+
+    def scaled(time: AffineTime) -> AffineTime:
+        return AffineTime(time.fixed * fixed_scale, time.per_example * example_scale)
+
+    return [
+        dataclasses.replace(
+            block,
+            forward_seconds=scaled(block.forward_seconds),
+            backward_seconds=scaled(block.backward_seconds),
+        )
+        for block in blocks
+    ]
 
 
 def _tensor_replicated_bytes(block) -> float:
@@ -114,3 +205,86 @@ def _tensor_parallel_sizes(model: str, blocks) -> tuple[int, ...]:
     ]
     common = math.gcd(*heads) if heads else 1
     return tuple(size for size in range(1, common + 1) if common % size == 0)
+
+
+def measure_user_model_costs(
+    model: str,
+    dataset: str,
+    model_options: dict | None = None,
+    data_path: str | None = None,
+    batch_sizes: Sequence[int] = (8, 64),
+    seed: int = 0,
+    machine: MachineCosts | None = None,
+) -> ModelCosts:
+    """Times every call of the functional model `model()` returns, as `from_model` cuts it.
+
+    Args:
+        model: `package.module:function` returning a functional or Sequential model.
+        dataset: a dataset name or `package.module:function` giving arrays.
+        model_options: keyword arguments of the function (`--model_option`).
+        data_path: the file(s) of an "npz" or "tfrecord" dataset.
+        batch_sizes: two batch sizes, smallest first; times are fitted through both.
+        seed: data.
+        machine: as for `measure_model_costs`.
+
+    Returns:
+        `ModelCosts` with one block per call, named by the call (what
+        `--partition=layers:NAME,...` takes); no tensor axis (no split layers).
+
+    Example:
+        >>> costs = measure_user_model_costs("my_models:small_cnn", "my_models:arrays")
+    """
+    from tfmulti.costing.model_graph import call_graph, functional_view
+    from tfmulti.pipeline.stages.graph_partition import call_blocks
+
+    if not is_function_reference(model):
+        raise ValueError(f"model must be package.module:function. Received: model={model!r}")
+    model_options = dict(model_options or {})
+    batch_sizes = sorted(set(batch_sizes))
+    source = load_source(dataset, data_path=data_path, seed=seed)
+    examples = getattr(source, "x_train", None)
+    if examples is None or len(examples) < batch_sizes[-1]:
+        raise ValueError(
+            f"The planner times a user's model on arrays of at least {batch_sizes[-1]} "
+            f"examples; --dataset={dataset} gives none or fewer. Pass arrays (x, y) or "
+            "lower --global_batch."
+        )
+    function = load_function(model, "--model")
+    view = functional_view(function(**model_options))
+    graph = call_graph(view, open_nested=True)
+    measured = [call_blocks(view, graph, examples[:size]) for size in batch_sizes]
+    seen, costs = set(), []
+    for index, node in enumerate(graph.nodes):
+        first_call = id(node.operation) not in seen
+        seen.add(id(node.operation))
+        costs.append(
+            BlockCost(
+                name=node.name,
+                params=measured[-1][index].params,
+                forward_seconds=AffineTime.fit(
+                    batch_sizes, [per_size[index].forward_time for per_size in measured]
+                ),
+                backward_seconds=AffineTime.fit(
+                    batch_sizes, [per_size[index].backward_time for per_size in measured]
+                ),
+                activation_bytes_per_example=measured[-1][index].activation_bytes / batch_sizes[-1],
+                variables=len(getattr(node.operation, "trainable_variables", ()))
+                if first_call
+                else 0,
+            )
+        )
+    if machine is not None:
+        step = _one_device_step(
+            lambda: function(**model_options), examples, source.y_train, batch_sizes
+        )
+        costs = scaled_to_step(
+            costs, step, machine.step_seconds(sum(block.variables for block in costs))
+        )
+    return ModelCosts(
+        model=model,
+        model_options=model_options,
+        dataset=dataset,
+        data_path=data_path,
+        blocks=tuple(costs),
+        measured_batch_sizes=tuple(batch_sizes),
+    )

@@ -16,6 +16,14 @@ def format_bytes_mib(num_bytes: float) -> str:
     return f"{num_bytes / 2**20:.2f}"
 
 
+def format_step_ms(layout: Layout) -> str:
+    """The predicted step time in ms, with its uncertainty when known: '52.10 ± 4.20'."""
+    text = f"{1000 * layout.step_time:.2f}"
+    if layout.uncertainty:
+        text += f" ± {1000 * layout.uncertainty:.2f}"
+    return text
+
+
 def layout_row(rank: int, layout: Layout) -> tuple[str, ...]:
     """One table row: rank, mesh, schedule, m, v, split, step ms, bubble, peak MiB."""
     return (
@@ -25,7 +33,7 @@ def layout_row(rank: int, layout: Layout) -> tuple[str, ...]:
         str(layout.num_microbatches),
         str(layout.chunks),
         ",".join(str(b) for b in layout.boundaries) or "-",
-        f"{1000 * layout.step_time:.2f}",
+        format_step_ms(layout),
         f"{layout.bubble_fraction:.3f}",
         format_bytes_mib(layout.peak_memory),
     )
@@ -51,8 +59,10 @@ def layout_json(layout: Layout, costs: ModelCosts, global_batch: int) -> dict:
         "chunks": layout.chunks,
         "boundaries": list(layout.boundaries),
         "step_time": layout.step_time,
+        "uncertainty": layout.uncertainty,
         "pipeline_time": layout.pipeline_time,
         "allreduce_time": layout.allreduce_time,
+        "overhead_time": layout.overhead_time,
         "bubble_fraction": layout.bubble_fraction,
         "peak_memory_bytes": layout.peak_memory,
         "train_flags": train_flags(layout, costs, global_batch),

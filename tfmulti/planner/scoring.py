@@ -5,20 +5,25 @@ device when pipe = 1), each device possibly one of a tensor group, and `data` re
 that. Its step time is the simulated pipeline makespan plus the data-parallel all-reduce
 of each device's gradients (all devices reduce at once, each over its own link). When
 the devices share one processor, the pipeline part is at least the busy time of every
-device of the mesh added up. Peak
-memory per device is the parameter state of its stages plus its peak live activation
-bytes from the simulator.
+device of the mesh added up (with measured `MachineCosts`: that sum times the measured
+serial fraction). With `MachineCosts`, the framework's own cost is added: a step's fixed
+cost, each replica's dispatch, and the pipeline executor's cost per action and per loop
+round. Peak memory per device is the parameter state of its stages plus its peak live
+activation bytes from the simulator.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
+from tfmulti.pipeline.actions import Schedule
 from tfmulti.pipeline.balance import Block
+from tfmulti.pipeline.round_loop import loop_schedule
 from tfmulti.pipeline.schedules import build_schedule
 from tfmulti.pipeline.simulate import CostModel, StageCost, simulate
-from tfmulti.planner.costs import GRADIENT_BYTES_PER_PARAM, Hardware, ring_allreduce_seconds
+from tfmulti.planner.costs import GRADIENT_BYTES_PER_PARAM, Hardware, allreduce_seconds
 from tfmulti.platform.mesh import HybridMesh
 
 # The schedule a one-device "pipeline" runs: one forward, one backward.
@@ -41,6 +46,8 @@ class Layout:
         allreduce_time: the data-parallel gradient all-reduce.
         bubble_fraction: idle share of the pipeline devices' time.
         peak_memory: bytes on the fullest device.
+        overhead_time: the framework's measured per-step cost (0 without `MachineCosts`).
+        uncertainty: the ± seconds the prediction carries from its measurements' spread.
     """
 
     mesh: HybridMesh
@@ -53,6 +60,8 @@ class Layout:
     allreduce_time: float
     bubble_fraction: float
     peak_memory: float
+    overhead_time: float = 0.0
+    uncertainty: float = 0.0
 
     @property
     def key(self) -> tuple:
@@ -68,6 +77,8 @@ def score_layout(
     chunks: int,
     boundaries: Sequence[int],
     hardware: Hardware,
+    num_variables: int = 0,
+    relative_spread: float = 0.0,
 ) -> Layout:
     """Simulates one layout.
 
@@ -79,7 +90,9 @@ def score_layout(
         num_microbatches: micro-batches per replica per step.
         chunks: model chunks per pipeline device (> 1 only for "interleaved_1f1b").
         boundaries: pipe x chunks - 1 strictly increasing split points.
-        hardware: bandwidth and bytes per parameter.
+        hardware: bandwidth and bytes per parameter, and the machine's measured costs.
+        num_variables: the model's trainable variables (each replica updates each).
+        relative_spread: the block timings' relative spread, for the uncertainty.
 
     Returns:
         The scored `Layout`.
@@ -119,8 +132,8 @@ def score_layout(
     device_params = [0.0] * mesh.pipe
     for stage, device in zip(stage_blocks, plan.stage_devices, strict=True):
         device_params[device] += sum(block.params for block in stage)
-    allreduce_time = ring_allreduce_seconds(
-        max(device_params) * GRADIENT_BYTES_PER_PARAM, mesh.data, hardware.bandwidth
+    allreduce_time = allreduce_seconds(
+        max(device_params) * GRADIENT_BYTES_PER_PARAM, mesh.data, hardware
     )
     device_memory = [0.0] * mesh.pipe
     for stage, device in zip(stage_blocks, plan.stage_devices, strict=True):
@@ -129,17 +142,49 @@ def score_layout(
         held + live for held, live in zip(device_memory, result.peak_activation_bytes, strict=True)
     )
     pipeline_time = result.makespan
-    if hardware.shared_compute:
-        pipeline_time = max(pipeline_time, sum(result.busy_time) * mesh.data * mesh.tensor)
+    summed_busy = sum(result.busy_time) * mesh.data * mesh.tensor
+    machine = hardware.machine
+    overhead_time = 0.0
+    if machine is not None:
+        pipeline_time = machine.shared_compute(pipeline_time, summed_busy)
+        overhead_time = machine.step_seconds(num_variables) + machine.replica_seconds(
+            mesh.data, num_variables // mesh.pipe
+        )
+        if mesh.pipe > 1:
+            actions, rounds = executed_actions(plan)
+            overhead_time += machine.pipeline_fixed + mesh.data * (
+                machine.per_action * actions + machine.per_round * rounds
+            )
+    elif hardware.shared_compute:
+        pipeline_time = max(pipeline_time, summed_busy)
+    step_time = pipeline_time + allreduce_time + overhead_time
+    spread = math.hypot(machine.relative_spread if machine else 0.0, relative_spread)
     return Layout(
         mesh=mesh,
         schedule=schedule if mesh.pipe > 1 else None,
         num_microbatches=num_microbatches,
         chunks=chunks,
         boundaries=tuple(boundaries),
-        step_time=pipeline_time + allreduce_time,
+        step_time=step_time,
         pipeline_time=pipeline_time,
         allreduce_time=allreduce_time,
         bubble_fraction=result.bubble_fraction,
         peak_memory=peak_memory,
+        overhead_time=overhead_time,
+        uncertainty=step_time * spread,
     )
+
+
+def executed_actions(plan: Schedule) -> tuple[int, int]:
+    """(actions, loop rounds) the executor runs for `plan`: a rolled loop runs its body
+    every round, actions outside the schedule's micro-batches skipped at a cost.
+
+    Example:
+        >>> executed_actions(build_schedule("1f1b", 2, 4))
+        (24, 6)
+    """
+    rolled = loop_schedule(plan)
+    if rolled is None:
+        return sum(map(len, plan.device_actions)), 0
+    body = len(rolled.body) * rolled.rounds
+    return len(rolled.prologue) + body + len(rolled.epilogue), rolled.rounds

@@ -15,7 +15,12 @@ import math
 from collections.abc import Iterator, Sequence
 
 from tfmulti.pipeline.balance import Block, balance
-from tfmulti.pipeline.schedules import CHUNKED_SCHEDULES, SCHEDULE_NAMES, build_schedule
+from tfmulti.pipeline.schedules import (
+    CHUNKED_SCHEDULES,
+    SCHEDULE_CHUNKS,
+    SCHEDULE_NAMES,
+    build_schedule,
+)
 from tfmulti.planner.costs import Hardware, ModelCosts, blocks_at
 from tfmulti.planner.scoring import Layout, score_layout
 from tfmulti.platform.mesh import HybridMesh
@@ -23,8 +28,6 @@ from tfmulti.platform.mesh import HybridMesh
 # Up to this many contiguous splits per pipeline shape, all are simulated (exact optimum);
 # beyond it, only the balancer's.
 EXHAUSTIVE_SPLIT_LIMIT = 256
-INTERLEAVED = "interleaved_1f1b"
-ZBV = "zbv"
 
 
 def meshes(
@@ -93,7 +96,7 @@ def search_layouts(
             mesh.pipe, per_replica, len(costs.blocks), max_microbatches, chunk_limit
         ):
             blocks = blocks_for(per_replica / num_microbatches, mesh.tensor)
-            best = _best_split(blocks, mesh, schedule, num_microbatches, chunks, hardware)
+            best = _best_split(blocks, mesh, schedule, num_microbatches, chunks, hardware, costs)
             if best is not None:
                 layouts.append(best)
     return sorted(layouts, key=_rank)
@@ -114,9 +117,8 @@ def _pipeline_shapes(
         return
     counts = [m for m in _divisors(per_replica) if m <= max_microbatches]
     for schedule in SCHEDULE_NAMES:
-        chunk_counts = {INTERLEAVED: range(2, max_chunks + 1), ZBV: (2,)}.get(schedule, (1,))
-        if schedule == ZBV and max_chunks < 2:
-            continue
+        fewest, most = SCHEDULE_CHUNKS.get(schedule, (1, 1))
+        chunk_counts = range(fewest, min(most or max_chunks, max_chunks) + 1)
         for chunks, num_microbatches in itertools.product(chunk_counts, counts):
             if pipe * chunks > num_blocks:
                 continue
@@ -134,10 +136,22 @@ def _best_split(
     num_microbatches: int,
     chunks: int,
     hardware: Hardware,
+    costs: ModelCosts,
 ) -> Layout | None:
     splits = _candidate_splits(blocks, mesh.pipe * chunks, num_microbatches, schedule, hardware)
+    num_variables = sum(block.variables for block in costs.blocks)
     scored = (
-        score_layout(blocks, mesh, schedule, num_microbatches, chunks, split, hardware)
+        score_layout(
+            blocks,
+            mesh,
+            schedule,
+            num_microbatches,
+            chunks,
+            split,
+            hardware,
+            num_variables,
+            costs.timing_spread,
+        )
         for split in splits
     )
     cap = hardware.memory_per_device

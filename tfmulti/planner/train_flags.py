@@ -2,7 +2,9 @@
 
 Pure Python. One device: `--strategy=one_device`; data only: `--strategy=mirrored`;
 pipeline only: `--strategy=pipeline`; tensor only: `--strategy=model_parallel
---tensor_parallel=K`; two or more kinds at once: `--strategy=hybrid --mesh=...`.
+--tensor_parallel=K`; two or more kinds at once: `--strategy=hybrid --mesh=...`. A
+reference model's stages are cut by block index (`--partition=manual:3`), a user's
+model by the calls where stages begin (`--partition=layers:hidden_2`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import shlex
 
 from tfmulti.planner.costs import ModelCosts
 from tfmulti.planner.scoring import Layout
+from tfmulti.user_code import is_function_reference
 
 
 def train_flags(layout: Layout, costs: ModelCosts, global_batch: int) -> list[str]:
@@ -54,7 +57,7 @@ def train_flags(layout: Layout, costs: ModelCosts, global_batch: int) -> list[st
             f"--microbatches={layout.num_microbatches}",
             f"--schedule={layout.schedule}",
             *([f"--chunks={layout.chunks}"] if layout.chunks > 1 else []),
-            f"--partition=manual:{','.join(str(b) for b in layout.boundaries)}",
+            _partition_flag(layout, costs),
         ]
     flags += [f"--model={costs.model}", f"--dataset={costs.dataset}"]
     if costs.data_path:
@@ -62,6 +65,14 @@ def train_flags(layout: Layout, costs: ModelCosts, global_batch: int) -> list[st
     flags += [f"--model_option={name}={value!r}" for name, value in costs.model_options.items()]
     flags.append(f"--batch_size={global_batch}")
     return flags
+
+
+def _partition_flag(layout: Layout, costs: ModelCosts) -> str:
+    """A reference model is cut by block index; a user's model by the calls stages begin at."""
+    if is_function_reference(costs.model):
+        names = ",".join(costs.blocks[boundary].name for boundary in layout.boundaries)
+        return f"--partition=layers:{names}"
+    return f"--partition=manual:{','.join(str(b) for b in layout.boundaries)}"
 
 
 def command_line(flags: list[str]) -> str:

@@ -1,8 +1,12 @@
 """Checking predictions against reality: running layouts with `scripts/train.py`.
 
-Pure Python (subprocesses). Each layout trains for a few short epochs; its measured step
-time is the fastest `step_time_ms` in `metrics.json` after the first epoch (which
-includes tracing): other processes on a shared machine only ever slow an epoch down.
+Pure Python (subprocesses). Each layout trains for a few short epochs, logging every
+step's time; its measured step time is the median over the steps after the first epoch
+(which includes tracing), each epoch's first step left out (it also starts the epoch's
+input and ran the last epoch's validation). A median, unlike a fastest epoch, moves
+little when other processes on a shared machine load it in bursts, and unlike an
+epoch's mean it leaves out what an epoch adds once. Without step lines (an older
+train.py), the fastest `step_time_ms` in `metrics.json` after the first epoch counts.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -32,8 +38,8 @@ class Measurement:
     Args:
         layout: the layout run.
         flags: the `scripts/train.py` flags it ran with.
-        measured_step_time: the fastest of the samples, or None if a run failed.
-        samples: each run's fastest seconds per step after its first epoch.
+        measured_step_time: the median of the samples, or None if a run failed.
+        samples: seconds of each timed step of every run.
         error: the failed run's last line of output, else None.
     """
 
@@ -66,15 +72,34 @@ def accepts_flags(flags: Sequence[str]) -> bool:
     return run.returncode == 0
 
 
+# ThroughputLogger's line for one logged window of steps.
+_STEP_LINE = re.compile(r"\] step (\d+): [0-9.]+ examples/sec, ([0-9.]+) ms/step")
+
+
 def training_run_flags(epochs: int, steps_per_epoch: int, model_dir: str) -> list[str]:
-    """Flags for a short timing run: one validation step per epoch, no per-step logging."""
+    """Flags for a short timing run: one validation step per epoch, every step logged."""
     return [
         f"--epochs={epochs}",
         f"--steps_per_epoch={steps_per_epoch}",
         "--validation_steps=1",
-        "--log_steps=0",
+        "--log_steps=1",
         f"--model_dir={model_dir}",
     ]
+
+
+def timed_step_seconds(log: str, steps_per_epoch: int) -> list[float]:
+    """Seconds of each step logged in `log` after the first epoch, each epoch's first left out.
+
+    Example:
+        >>> timed_step_seconds("I1 x.py:79] step 12: 640.0 examples/sec, 50.00 ms/step", 10)
+        [0.05]
+    """
+    seconds = []
+    for match in _STEP_LINE.finditer(log):
+        step = int(match.group(1))
+        if step > steps_per_epoch and (step - 1) % steps_per_epoch:
+            seconds.append(float(match.group(2)) / 1000.0)
+    return seconds
 
 
 def measure_layouts(
@@ -91,7 +116,7 @@ def measure_layouts(
     """Trains each layout with `scripts/train.py` and reads its step time.
 
     The layouts run in turn, `repeats` rounds over all of them, so a burst of load from
-    other processes hits every layout alike; the fastest round counts.
+    other processes hits every layout alike; the median step of all rounds counts.
 
     Args:
         layouts: layouts to run, e.g. `distinct_layouts(search_layouts(...), 4)`.
@@ -114,21 +139,22 @@ def measure_layouts(
             if rank in errors:
                 continue
             model_dir = os.path.join(work_dir, f"layout_{rank + 1}_{round_index + 1}")
-            step_time, error = _run_layout(
+            step_times, error = _run_layout(
                 train_flags(layout, costs, global_batch),
                 training_run_flags(epochs, steps_per_epoch, model_dir),
                 model_dir,
                 timeout,
+                steps_per_epoch,
             )
             if error is not None:
                 errors[rank] = error
             else:
-                samples[rank].append(step_time)
+                samples[rank].extend(step_times)
     return [
         Measurement(
             layout,
             tuple(train_flags(layout, costs, global_batch)),
-            min(samples[rank]) if rank not in errors else None,
+            statistics.median(samples[rank]) if rank not in errors else None,
             tuple(samples[rank]),
             errors.get(rank),
         )
@@ -136,8 +162,10 @@ def measure_layouts(
     ]
 
 
-def _run_layout(flags, run_flags, model_dir, timeout) -> tuple[float | None, str | None]:
-    """(fastest seconds per step after the first epoch, None), or (None, why it failed)."""
+def _run_layout(
+    flags, run_flags, model_dir, timeout, steps_per_epoch
+) -> tuple[list[float] | None, str | None]:
+    """(seconds of each timed step, None), or (None, why it failed)."""
     command = [sys.executable, TRAIN_SCRIPT, *flags, *run_flags]
     environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     try:
@@ -149,6 +177,9 @@ def _run_layout(flags, run_flags, model_dir, timeout) -> tuple[float | None, str
     if run.returncode != 0:
         lines = [line for line in run.stderr.splitlines() if line.strip()] or ["no output"]
         return None, lines[-1]
+    step_times = timed_step_seconds(run.stderr, steps_per_epoch)
+    if step_times:
+        return step_times, None
     with open(os.path.join(model_dir, "metrics.json")) as file:
         epochs = json.load(file)["epochs"][1:]
-    return min(epoch["step_time_ms"] for epoch in epochs) / 1000.0, None
+    return [min(epoch["step_time_ms"] for epoch in epochs) / 1000.0], None

@@ -1,0 +1,209 @@
+"""The planner's accuracy figures, its measured machine costs, and how they enter a step."""
+
+import json
+
+import pytest
+from script_runner import run_script
+
+from tfmulti.pipeline.schedules import build_schedule
+from tfmulti.planner import AffineTime, BlockCost, Hardware, ModelCosts, blocks_at, save_costs
+from tfmulti.planner.accuracy import (
+    _kendall_tau_b,
+    accuracy,
+    best_gap,
+    kendall_tau,
+    mean_absolute_percentage_error,
+)
+from tfmulti.planner.machine import MachineCosts, step_uncertainty
+from tfmulti.planner.scoring import executed_actions, score_layout
+from tfmulti.platform.mesh import HybridMesh
+
+
+def test_mape_is_the_mean_of_absolute_errors_over_measured():
+    # |90-100|/100 = 0.1, |150-120|/120 = 0.25, |50-50|/50 = 0
+    assert mean_absolute_percentage_error([90, 150, 50], [100, 120, 50]) == pytest.approx(
+        (0.1 + 0.25 + 0.0) / 3
+    )
+
+
+def test_kendall_tau_counts_concordant_and_discordant_pairs():
+    # Pairs (1,2) and (1,3) agree, (2,3) disagree: (2 - 1) / 3.
+    assert kendall_tau([1, 2, 3], [10, 30, 20]) == pytest.approx(1 / 3)
+    assert kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert kendall_tau([1, 2], [5, 5]) is None
+    assert kendall_tau([1], [2]) is None
+
+
+def test_kendall_tau_without_scipy_matches_tau_b_with_ties():
+    first, second = [1, 2, 2, 3, 5], [2, 1, 4, 4, 6]
+    # concordant 7, discordant 1, untied pairs 9 in each: (7 - 1) / sqrt(9 * 9)
+    assert _kendall_tau_b(first, second) == pytest.approx(6 / 9)
+    assert kendall_tau(first, second) == pytest.approx(6 / 9)
+
+
+def test_best_gap_is_how_much_slower_the_predicted_best_measured():
+    assert best_gap([1.0, 2.0, 3.0], [110.0, 100.0, 120.0]) == pytest.approx(0.1)
+    assert best_gap([3.0, 1.0], [50.0, 40.0]) == 0.0
+
+
+def test_accuracy_needs_one_positive_measurement_per_prediction():
+    figures = accuracy([1.0, 2.0], [1.0, 2.5])
+    assert figures.count == 2 and figures.kendall_tau == pytest.approx(1.0)
+    assert "MAPE 10.0%" in figures.summary()
+    with pytest.raises(ValueError, match="one measured time per predicted"):
+        accuracy([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="> 0"):
+        accuracy([1.0], [0.0])
+
+
+MACHINE = MachineCosts(
+    step_fixed=0.005,
+    per_replica=0.001,
+    per_replica_variable=1e-4,
+    pipeline_fixed=0.002,
+    per_action=3e-4,
+    per_round=2e-4,
+    allreduce_latency=1e-3,
+    allreduce_bandwidth=1e9,
+    serial_fraction=0.9,
+    relative_spread=0.05,
+    num_devices=4,
+)
+
+
+def _costs(num_blocks=4):
+    block = BlockCost("block", 1000, AffineTime(1e-3, 1e-4), AffineTime(2e-3, 2e-4), 4096, 0, 0, 2)
+    return ModelCosts("transformer", {}, "tokens", None, (block,) * num_blocks)
+
+
+def test_mirrored_step_adds_serial_compute_replica_dispatch_and_measured_allreduce():
+    costs = _costs()
+    hardware = Hardware(machine=MACHINE)
+    blocks = blocks_at(costs, 8, 1, hardware)
+    layout = score_layout(blocks, HybridMesh(data=4), None, 1, 1, (), hardware, num_variables=8)
+    replica_work = sum(b.forward_time + b.backward_time for b in blocks)
+    assert layout.pipeline_time == pytest.approx(0.9 * 4 * replica_work)
+    assert layout.allreduce_time == pytest.approx(1e-3 + 2 * 3 / 4 * 4 * 4000 / 1e9)
+    assert layout.overhead_time == pytest.approx(0.005 + 4 * (0.001 + 1e-4 * 8))
+    assert layout.step_time == pytest.approx(
+        layout.pipeline_time + layout.allreduce_time + layout.overhead_time
+    )
+    assert layout.uncertainty == pytest.approx(0.05 * layout.step_time)
+
+
+def test_pipeline_step_pays_the_executor_per_action_and_per_round():
+    hardware = Hardware(machine=MACHINE)
+    blocks = blocks_at(_costs(), 2, 1, hardware)
+    layout = score_layout(blocks, HybridMesh(pipe=2), "1f1b", 4, 1, (2,), hardware)
+    actions, rounds = executed_actions(build_schedule("1f1b", 2, 4))
+    assert (actions, rounds) == (24, 6)
+    assert layout.overhead_time == pytest.approx(0.005 + 0.002 + 24 * 3e-4 + 6 * 2e-4)
+
+
+def test_without_machine_costs_nothing_is_added():
+    blocks = blocks_at(_costs(), 8, 1, Hardware())
+    layout = score_layout(blocks, HybridMesh(data=2), None, 1, 1, (), Hardware())
+    assert layout.overhead_time == 0.0 and layout.uncertainty == 0.0
+
+
+def test_uncertainty_adds_the_spreads_in_quadrature():
+    assert step_uncertainty(1.0, MachineCosts(relative_spread=0.3), 0.4) == pytest.approx(0.5)
+
+
+def test_machine_costs_round_trip_and_refuse_negative_terms():
+    assert MachineCosts.from_json(MACHINE.to_json()) == MACHINE
+    with pytest.raises(ValueError, match="per_action"):
+        MachineCosts(per_action=-1.0)
+    with pytest.raises(ValueError, match="Unknown machine cost fields"):
+        MachineCosts.from_json({"per_step": 1.0})
+
+
+def test_machine_costs_are_measured_once_then_read_from_the_cost_cache(tmp_path, monkeypatch):
+    from tfmulti.costing.cost_cache import CostCache
+    from tfmulti.planner import machine_benchmarks
+
+    calls = []
+
+    def measure(devices):
+        calls.append(list(devices))
+        return MACHINE
+
+    monkeypatch.setattr(machine_benchmarks, "measure_machine_costs", measure)
+    path = str(tmp_path / "costs.json")
+    devices = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]
+    assert machine_benchmarks.machine_costs(devices, CostCache(path)) == MACHINE
+    assert machine_benchmarks.machine_costs(devices, CostCache(path)) == MACHINE
+    assert len(calls) == 1
+    with open(path) as file:
+        assert json.load(file)["machine"]["devices=4"] == MACHINE.to_json()
+    machine_benchmarks.machine_costs(devices, CostCache(path), remeasure=True)
+    assert len(calls) == 2
+
+
+def test_allreduce_and_device_overlap_are_measured_on_logical_devices():
+    import tensorflow as tf
+
+    from tfmulti.planner import machine_benchmarks
+
+    devices = [device.name for device in tf.config.list_logical_devices("CPU")][:2]
+    spreads = []
+    latency, bandwidth = machine_benchmarks._allreduce_costs(devices, spreads)
+    assert latency > 0 and bandwidth > 0
+    serial = machine_benchmarks._serial_fraction(devices, spreads)
+    assert 0.5 <= serial <= 1.0
+    assert len(spreads) == 4 and all(spread >= 0 for spread in spreads)
+
+
+def test_validate_json_reports_mape_kendall_tau_and_best_gap(tmp_path):
+    block = BlockCost("dense", 1000, AffineTime(1e-4, 1e-5), AffineTime(2e-4, 2e-5), 256)
+    path = str(tmp_path / "costs.json")
+    save_costs(ModelCosts("mlp", {}, "digits", None, (block,) * 4), path)
+    result = run_script(
+        "plan.py",
+        f"--costs={path}",
+        "--devices=1",
+        "--global_batch=16",
+        "--machine_costs=none",
+        "--validate=1",
+        "--validate_repeats=1",
+        "--validate_epochs=2",
+        "--validate_steps=4",
+        f"--validate_dir={tmp_path / 'runs'}",
+        "--json",
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = json.loads(result.stdout)
+    assert {"mape", "kendall_tau", "best_gap", "count"} <= set(output)
+    (validated,) = output["validation"]
+    assert validated["measured_step_time"] > 0
+    assert validated["measured_over_predicted"] == pytest.approx(
+        validated["measured_step_time"] / validated["step_time"]
+    )
+    assert output["best_gap"] == 0.0
+
+
+def test_blocks_are_scaled_to_add_up_to_the_measured_one_device_step():
+    from tfmulti.planner.measure import scaled_to_step
+
+    blocks = [
+        BlockCost("a", 1, AffineTime(2.0, 1.0), AffineTime(2.0, 1.0), 4.0),
+        BlockCost("b", 1, AffineTime(4.0, 0.0), AffineTime(0.0, 2.0), 4.0),
+    ]
+    # Fixed parts add up to 8, per-example to 4; the step less its framework cost is 4 + 2b.
+    scaled = scaled_to_step(blocks, AffineTime(5.0, 2.0), step_framework=1.0)
+    assert scaled[0].forward_seconds == AffineTime(1.0, 0.5)
+    assert scaled[1].backward_seconds == AffineTime(0.0, 1.0)
+    total = sum(b.forward_seconds.at(8) + b.backward_seconds.at(8) for b in scaled)
+    assert total == pytest.approx(4.0 + 2.0 * 8)
+
+
+def test_validation_times_the_median_step_after_the_first_epoch_without_epoch_starts():
+    from tfmulti.planner.validation import timed_step_seconds
+
+    log = "\n".join(
+        f"I1126 10:00:00.0 1 callbacks.py:78] step {step}: 100.0 examples/sec, {ms} ms/step"
+        for step, ms in [(1, 900.0), (4, 800.0), (5, 10.0), (6, 12.0), (7, 90.0), (8, 11.0)]
+    )
+    # 4 steps an epoch: steps 1-4 are the first epoch, step 5 starts the second.
+    assert timed_step_seconds(log, 4) == [0.012, 0.09, 0.011]

@@ -1,0 +1,121 @@
+"""What a training step costs on this machine beyond its blocks' compute, measured once.
+
+Pure Python; `tfmulti.planner.machine_benchmarks` (TensorFlow) measures the numbers with
+small benchmarks and keeps them in the cost cache beside the block costs. The terms:
+
+- a Keras training step's fixed cost on one device and its cost per trainable variable
+  (the optimizer updates each one), and what each data-parallel replica
+  of `tf.distribute.MirroredStrategy` adds (per replica, and per replica and variable:
+  MirroredStrategy dispatches every replica's updates and reduces every variable);
+- the pipeline executor's fixed cost per step, per scheduled action and per loop round;
+- an all-reduce's latency and bandwidth between the logical devices;
+- how much logical devices of one processor overlap: `serial_fraction` is the share of
+  every device's work added up that runs one after the other (1: none overlaps, as for
+  logical CPU devices sharing the cores; 1/n: n devices run fully in parallel).
+
+Each term carries its measured relative spread, which `step_uncertainty` turns into the
+uncertainty printed beside a predicted step time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineCosts:
+    """Measured per-step costs of the framework on one machine (seconds, bytes/s).
+
+    Args:
+        step_fixed: one-device Keras training step with (nearly) no compute.
+        per_variable: added to a step by each trainable variable (its optimizer update).
+        per_replica: added by each MirroredStrategy replica.
+        per_replica_variable: added by each replica for each trainable variable.
+        pipeline_fixed: added to a step by the pipeline executor, whatever its schedule.
+        per_action: each pipeline action (F, B, I or W of a stage on a micro-batch).
+        per_round: each round of the executor's rolled loop.
+        allreduce_latency: fixed time of one all-reduce over the logical devices.
+        allreduce_bandwidth: bytes per second an all-reduce moves beyond its latency.
+        serial_fraction: share of the devices' summed busy time that serialises.
+        relative_spread: the benchmarks' relative spread (interquartile range / median),
+            the uncertainty these terms carry.
+        num_devices: logical devices the benchmarks ran on.
+    """
+
+    step_fixed: float = 0.0
+    per_variable: float = 0.0
+    per_replica: float = 0.0
+    per_replica_variable: float = 0.0
+    pipeline_fixed: float = 0.0
+    per_action: float = 0.0
+    per_round: float = 0.0
+    allreduce_latency: float = 0.0
+    allreduce_bandwidth: float = 10e9
+    serial_fraction: float = 0.0
+    relative_spread: float = 0.0
+    num_devices: int = 1
+
+    def __post_init__(self):
+        values = dataclasses.asdict(self)
+        negative = {name: value for name, value in values.items() if value < 0}
+        if negative or self.allreduce_bandwidth <= 0:
+            raise ValueError(
+                "Machine costs must be >= 0 and the bandwidth > 0. "
+                f"Received: {negative or {'allreduce_bandwidth': self.allreduce_bandwidth}}"
+            )
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> MachineCosts:
+        names = {field.name for field in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"Unknown machine cost fields {sorted(unknown)}; known: {names}")
+        return cls(**data)
+
+    def allreduce_seconds(self, num_bytes: float, group_size: int) -> float:
+        """One ring all-reduce of `num_bytes` over `group_size` devices: latency + traffic.
+
+        Example:
+            >>> MachineCosts(allreduce_latency=1e-3, allreduce_bandwidth=1e9).allreduce_seconds(
+            ...     1e6, 2)
+            0.002
+        """
+        if group_size <= 1:
+            return 0.0
+        traffic = 2 * (group_size - 1) / group_size * num_bytes / self.allreduce_bandwidth
+        return self.allreduce_latency + traffic
+
+    def step_seconds(self, variables: int) -> float:
+        """A training step's framework cost on one device for a model of `variables`."""
+        return self.step_fixed + self.per_variable * variables
+
+    def replica_seconds(self, replicas: int, variables: int) -> float:
+        """What `replicas` data-parallel replicas of a model with `variables` add per step."""
+        if replicas <= 1:
+            return 0.0
+        return replicas * (self.per_replica + self.per_replica_variable * variables)
+
+    def shared_compute(self, makespan: float, summed_busy: float) -> float:
+        """Compute time of a step whose devices share processors: at least the serial share.
+
+        Example:
+            >>> MachineCosts(serial_fraction=0.9).shared_compute(1.0, 4.0)
+            3.6
+        """
+        return max(makespan, self.serial_fraction * summed_busy)
+
+
+def step_uncertainty(step_time: float, costs: MachineCosts, block_spread: float = 0.0) -> float:
+    """The ± seconds a predicted step carries from the measurements' own spread.
+
+    The block timings' and the machine benchmarks' relative spreads add in quadrature.
+
+    Example:
+        >>> round(step_uncertainty(0.1, MachineCosts(relative_spread=0.03), 0.04), 6)
+        0.005
+    """
+    return step_time * math.hypot(costs.relative_spread, block_spread)

@@ -1,0 +1,295 @@
+"""Small benchmarks of what a training step costs beyond its blocks, run once per machine.
+
+Each benchmark runs the framework itself on work too small to matter, so what it
+times is the framework: a Keras training step of a tiny model of two sizes on one device
+(fixed cost, per variable) and under MirroredStrategy (per replica, per replica and
+variable), the pipeline
+executor on tiny stages (fixed cost, per action, per loop round), an
+all-reduce of two sizes (latency, bandwidth), and the same matrix products on one and
+on n logical devices at once (how much of their work serialises). Every figure is the
+median of repeated steps, so a burst of load from other processes moves it little; the
+interquartile range over the median is kept as the terms' uncertainty.
+
+The numbers go into the cost cache beside the block costs (`CostCache.put_machine`),
+keyed by the device count, so a later plan on the same machine measures nothing.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from tfmulti.costing.cost_cache import CostCache
+from tfmulti.planner.machine import MachineCosts
+from tfmulti.planner.scoring import executed_actions
+
+_STEPS = 16
+_WARMUP_STEPS = 4
+# Dense layers of the small and the large benchmark model: the difference in variables
+# gives each replica's cost per variable.
+_SMALL_LAYERS, _LARGE_LAYERS = 2, 16
+
+
+def machine_costs(
+    devices: list[str], cache: CostCache | None = None, remeasure: bool = False
+) -> MachineCosts:
+    """The machine's `MachineCosts` over `devices`: from `cache`, else measured and cached.
+
+    Args:
+        devices: the logical devices a plan lays models out on (two or more for the
+            data-parallel, pipeline and overlap terms).
+        cache: where the numbers are kept (`CostCache`), or None to measure each time.
+        remeasure: measure even if `cache` holds them.
+
+    Example:
+        >>> costs = machine_costs(logical_device_names("CPU"), CostCache("costs.json"))
+    """
+    key = f"devices={len(devices)}"
+    if cache is not None and not remeasure:
+        held = cache.get_machine(key)
+        if held is not None:
+            return MachineCosts.from_json(held)
+    costs = measure_machine_costs(devices)
+    if cache is not None:
+        cache.put_machine(key, costs.to_json())
+        cache.save()
+    return costs
+
+
+def measure_machine_costs(devices: list[str]) -> MachineCosts:
+    """Runs every benchmark over `devices` (about a minute on an idle 2-core CPU, a few
+    under load)."""
+    started = time.perf_counter()
+    spreads = []
+    one_small, one_large = _keras_step_seconds(devices[:1], spreads)
+    extra_variables = 2 * (_LARGE_LAYERS - _SMALL_LAYERS)
+    per_variable = max(one_large - one_small, 0.0) / extra_variables
+    step_fixed = max(one_small - per_variable * 2 * _SMALL_LAYERS, 0.0)
+    per_replica = per_replica_variable = 0.0
+    if len(devices) > 1:
+        many_small, many_large = _keras_step_seconds(devices, spreads)
+        # What the replicas add beyond one device, per replica.
+        small_extra = (many_small - one_small) / len(devices)
+        large_extra = (many_large - one_large) / len(devices)
+        per_replica_variable = max(large_extra - small_extra, 0.0) / extra_variables
+        per_replica = max(small_extra - per_replica_variable * 2 * _SMALL_LAYERS, 0.0)
+    pipeline_fixed = per_action = per_round = 0.0
+    if len(devices) > 1:
+        pipeline_fixed, per_action, per_round = _executor_seconds(devices[:2], step_fixed, spreads)
+    latency, bandwidth = _allreduce_costs(devices, spreads)
+    costs = MachineCosts(
+        step_fixed=float(step_fixed),
+        per_variable=float(per_variable),
+        per_replica=float(per_replica),
+        per_replica_variable=float(per_replica_variable),
+        pipeline_fixed=float(pipeline_fixed),
+        per_action=float(per_action),
+        per_round=float(per_round),
+        allreduce_latency=float(latency),
+        allreduce_bandwidth=float(bandwidth),
+        serial_fraction=float(_serial_fraction(devices, spreads)),
+        relative_spread=float(statistics.median(spreads)) if spreads else 0.0,
+        num_devices=len(devices),
+    )
+    logging.info("Measured the machine's costs in %.0fs: %s", time.perf_counter() - started, costs)
+    return costs
+
+
+def _median_and_spread(samples: list[float], spreads: list[float]) -> float:
+    quartiles = statistics.quantiles(samples, n=4)
+    median = statistics.median(samples)
+    spreads.append((quartiles[2] - quartiles[0]) / median if median > 0 else 0.0)
+    return median
+
+
+class _StepClock(keras.callbacks.Callback):
+    """Seconds between consecutive training steps' ends, within one `fit`."""
+
+    def __init__(self):
+        super().__init__()
+        self.ends = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        return [float(t) for t in np.diff(self.ends)]
+
+
+def _tiny_model(num_layers: int) -> keras.Model:
+    inputs = keras.Input((8,))
+    x = inputs
+    for _ in range(num_layers):
+        x = keras.layers.Dense(8)(x)
+    return keras.Model(inputs, x)
+
+
+def _fit_step_seconds(build, batch_size: int, spreads: list[float]) -> float:
+    """Median seconds per step of `build()` (a compiled model) fitting constant data."""
+    data = np.ones((batch_size, 8), "float32")
+    return fit_step_seconds(build, data, data, spreads)
+
+
+def fit_step_seconds(build, x, y, spreads: list[float]) -> float:
+    """Median seconds per training step of `build()` (a compiled model) on batches (x, y)."""
+    return interleaved_step_seconds([(build, x, y)], spreads)[0]
+
+
+def interleaved_step_seconds(runs, spreads: list[float], rounds: int = 3) -> list[float]:
+    """Median seconds per training step of each run's model, the runs' steps interleaved.
+
+    Each run is (build, x, y): `build()` returns a compiled model, each step trains on all
+    of `x`. Every model is traced first; then `rounds` times, each model trains a few
+    steps in turn, so a burst of load from other processes falls on every run alike
+    (comparing two runs is what the benchmarks do). Each run's relative spread is added
+    to `spreads`.
+    """
+    models = []
+    for build, x, y in runs:
+        model = build()
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(len(x)).repeat()
+        model.fit(data, steps_per_epoch=_WARMUP_STEPS, epochs=1, verbose=0)
+        models.append((model, data))
+    samples = [[] for _ in runs]
+    for _ in range(rounds):
+        for index, (model, data) in enumerate(models):
+            clock = _StepClock()
+            model.fit(
+                data,
+                steps_per_epoch=_STEPS // rounds + 1,
+                epochs=1,
+                verbose=0,
+                callbacks=[clock],
+            )
+            samples[index].extend(clock.intervals())
+    return [_median_and_spread(times, spreads) for times in samples]
+
+
+def _keras_step_seconds(devices: list[str], spreads: list[float]) -> list[float]:
+    """Training steps of the small and the large tiny model, on one device or mirrored
+    over `devices`."""
+    if len(devices) == 1:
+        strategy = tf.distribute.OneDeviceStrategy(devices[0])
+    else:
+        from tfmulti.platform.distribute_strategy import cross_device_ops
+
+        kind = tf.config.list_logical_devices()[0].device_type
+        strategy = tf.distribute.MirroredStrategy(
+            devices=devices, cross_device_ops=cross_device_ops("auto", kind)
+        )
+
+    def builder(num_layers):
+        def build():
+            with strategy.scope():
+                model = _tiny_model(num_layers)
+                model.compile(optimizer="adam", loss="mse")
+            return model
+
+        return build
+
+    data = np.ones((2 * len(devices), 8), "float32")
+    runs = [(builder(layers), data, data) for layers in (_SMALL_LAYERS, _LARGE_LAYERS)]
+    return interleaved_step_seconds(runs, spreads)
+
+
+def _executor_seconds(
+    devices: list[str], step_fixed: float, spreads: list[float]
+) -> tuple[float, float, float]:
+    """(fixed seconds per step, per action, per loop round) of the pipeline executor, beyond
+    a one-device step: 1F1B over two tiny stages traced action by action at two
+    micro-batch counts (fixed and per action), then run as a rolled loop (per round)."""
+    from tfmulti.pipeline.runtime import PipelineModel
+    from tfmulti.pipeline.schedules import build_schedule
+
+    def seconds(num_microbatches, rolled):
+        def build():
+            stages = [_tiny_model(1), _tiny_model(1)]
+            model = PipelineModel(stages, devices, num_microbatches, "1f1b", rolled=rolled)
+            model.compile(optimizer="adam", loss="mse")
+            return model
+
+        schedule = build_schedule("1f1b", 2, num_microbatches)
+        counts = executed_actions(schedule) if rolled else (4 * num_microbatches, 0)
+        return _fit_step_seconds(build, 2 * num_microbatches, spreads) - step_fixed, counts
+
+    few, (few_actions, _) = seconds(2, rolled=False)
+    many, (many_actions, _) = seconds(8, rolled=False)
+    per_action = max(many - few, 0.0) / (many_actions - few_actions)
+    fixed = max(few - per_action * few_actions, 0.0)
+    looped, (looped_actions, rounds) = seconds(8, rolled=True)
+    per_round = max(looped - fixed - per_action * looped_actions, 0.0) / max(rounds, 1)
+    return fixed, per_action, per_round
+
+
+def _allreduce_costs(devices: list[str], spreads: list[float]) -> tuple[float, float]:
+    """(latency, bytes per second) of an all-reduce over `devices`, from two sizes."""
+    if len(devices) < 2:
+        return 0.0, 10e9
+    from tfmulti.platform.distribute_strategy import cross_device_ops
+
+    kind = tf.config.list_logical_devices()[0].device_type
+    strategy = tf.distribute.MirroredStrategy(
+        devices=devices, cross_device_ops=cross_device_ops("auto", kind)
+    )
+    sizes = (16, 8 << 20)
+    seconds = []
+    for size in sizes:
+        values = strategy.experimental_distribute_values_from_function(
+            lambda context, size=size: tf.ones((size // 4,), tf.float32)
+        )
+
+        @tf.function
+        def reduce(values=values):
+            return strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None)
+
+        reduce()
+        samples = []
+        for _ in range(15):
+            start = time.perf_counter()
+            reduce().numpy()
+            samples.append(time.perf_counter() - start)
+        seconds.append(_median_and_spread(samples, spreads))
+    group = len(devices)
+    traffic = 2 * (group - 1) / group * (sizes[1] - sizes[0])
+    bandwidth = traffic / max(seconds[1] - seconds[0], 1e-9)
+    return seconds[0], bandwidth
+
+
+def _serial_fraction(devices: list[str], spreads: list[float]) -> float:
+    """Time of the same matrix products on every device at once over n times one device's:
+    1 when the devices' work runs one after the other, 1/n when fully in parallel."""
+    if len(devices) < 2:
+        return 1.0 / len(devices)
+    inputs = []
+    for device in devices:
+        with tf.device(device):
+            inputs.append(tf.random.stateless_normal((192, 192), seed=(1, 2)))
+
+    def chains(count):
+        @tf.function
+        def run():
+            results = []
+            for device, matrix in zip(devices[:count], inputs[:count], strict=True):
+                with tf.device(device):
+                    value = matrix
+                    for _ in range(24):
+                        value = tf.tanh(tf.matmul(value, matrix))
+                    results.append(tf.reduce_sum(value))
+            return results
+
+        run()
+        samples = []
+        for _ in range(9):
+            start = time.perf_counter()
+            [result.numpy() for result in run()]
+            samples.append(time.perf_counter() - start)
+        return _median_and_spread(samples, spreads)
+
+    one = chains(1)
+    every = chains(len(devices))
+    return min(max(every / (len(devices) * one), 1.0 / len(devices)), 1.0)
