@@ -33,19 +33,10 @@ from absl import flags
 
 from tfmulti.flags.console_flags import define_console_flags
 from tfmulti.flags.parsing import run_script
+from tfmulti.pipeline.schedules import SCHEDULE_NAMES
 from tfmulti.platform.tf_startup import start_tensorflow
 
 BENCHMARKS = ("fidelity", "real_compute", "memory")
-SCHEDULES = (
-    "gpipe",
-    "1f1b",
-    "interleaved_1f1b",
-    "zb_h1",
-    "zb_h2",
-    "zbv",
-    "interleaved_zb",
-    "dualpipev",
-)
 # (schedule, baseline): the gains the fidelity benchmark predicts and measures.
 GAINS = (
     ("zb_h1", "1f1b"),
@@ -57,7 +48,7 @@ GAINS = (
 
 define_console_flags()
 flags.DEFINE_list("benchmarks", list(BENCHMARKS), f"Which of {BENCHMARKS} to run.")
-flags.DEFINE_list("schedules", list(SCHEDULES), "Schedules for the fidelity benchmark.")
+flags.DEFINE_list("schedules", list(SCHEDULE_NAMES), "Schedules for the fidelity benchmark.")
 flags.DEFINE_list("microbatches", ["4", "8", "16"], "Micro-batch counts for fidelity.")
 flags.DEFINE_integer("num_devices", 4, "Pipeline devices p for fidelity and memory.", lower_bound=2)
 flags.DEFINE_float("forward_ms", 40.0, "Forward hold of one stage on the whole batch (ms).")
@@ -81,7 +72,7 @@ flags.register_validator(
     "real_d_model", lambda width: width % 4 == 0, "must be a multiple of 4 (4 attention heads)"
 )
 flags.register_validator(
-    "schedules", lambda names: set(names) <= set(SCHEDULES), f"must be among {SCHEDULES}"
+    "schedules", lambda names: set(names) <= set(SCHEDULE_NAMES), f"must be among {SCHEDULE_NAMES}"
 )
 FLAGS = flags.FLAGS
 
@@ -355,7 +346,7 @@ def plot(records, path):
 
     fidelity = [r for r in records if r["benchmark"] == "fidelity" and "measured_s" in r]
     microbatches = sorted({r["microbatches"] for r in fidelity})
-    schedules = [s for s in SCHEDULES if any(r["schedule"] == s for r in fidelity)]
+    schedules = [s for s in SCHEDULE_NAMES if any(r["schedule"] == s for r in fidelity)]
     figure = Figure(figsize=(17, 4.5))
     FigureCanvasAgg(figure)
     times_axis, ratio_axis, fidelity_axis = figure.subplots(1, 3)

@@ -131,14 +131,19 @@ def test_fewer_slots_than_min_end_the_job_in_one_line(tmp_path):
     assert group_sizes(tmp_path) == [3, 2]
 
 
-def test_a_slot_leaving_and_rejoining_the_list_shrinks_then_grows_the_group(tmp_path):
+@pytest.mark.parametrize(
+    "slot_list",
+    ["--hosts_file={hosts}", "--discovery_command=cat {hosts}"],
+    ids=["file", "command"],
+)
+def test_a_slot_leaving_and_rejoining_the_list_shrinks_then_grows_the_group(tmp_path, slot_list):
     run_dir, hosts = tmp_path / "run", tmp_path / "slots"
     run_dir.mkdir()
     write_slots(hosts, ["a", "b", "c"])
     stop_file = tmp_path / "stop"
     launcher = subprocess.Popen(
         launch_command(
-            ["--num_workers=2:3", f"--hosts_file={hosts}", "--grace_seconds=5"],
+            ["--num_workers=2:3", slot_list.format(hosts=hosts), "--grace_seconds=5"],
             ["--run_dir", str(run_dir), f"--stop_file={stop_file}"],
         ),
         stdout=subprocess.PIPE,
@@ -206,37 +211,6 @@ def test_a_discovery_command_lists_the_slots_and_its_failures_list_none(tmp_path
     assert discovered_slots(f"cat {listing}") == ["a", "b"]
     assert discovered_slots(f"cat {listing}; exit 3") == []
     assert discovered_slots("sleep 5", timeout_seconds=0.2) == []
-
-
-def test_a_discovery_command_shrinks_and_grows_the_group(tmp_path):
-    run_dir, hosts = tmp_path / "run", tmp_path / "slots"
-    run_dir.mkdir()
-    write_slots(hosts, ["a", "b", "c"])
-    stop_file = tmp_path / "stop"
-    launcher = subprocess.Popen(
-        launch_command(
-            ["--num_workers=2:3", f"--discovery_command=cat {hosts}", "--grace_seconds=5"],
-            ["--run_dir", str(run_dir), f"--stop_file={stop_file}"],
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        wait_for_attempt(run_dir, 0, 3, launcher)
-        write_slots(hosts, ["a", "c"])
-        wait_for_attempt(run_dir, 1, 2, launcher)
-        write_slots(hosts, ["a", "b", "c"])
-        wait_for_attempt(run_dir, 2, 3, launcher)
-        stop_file.touch()
-        stdout, stderr = launcher.communicate(timeout=60)
-    finally:
-        launcher.kill()
-        launcher.wait()
-    assert launcher.returncode == 0, stderr
-    assert "launch: b left; 2 workers (a, c); restarting the group" in stderr
-    assert "launch: b joined; 3 workers (a, c, b); restarting the group" in stderr
-    assert group_sizes(run_dir) == [3, 2, 3]
 
 
 def test_a_file_and_a_command_both_listing_slots_are_refused_in_one_line(tmp_path):

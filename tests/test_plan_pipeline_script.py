@@ -7,18 +7,11 @@ import sys
 
 import pytest
 
+from tfmulti.pipeline.schedules import SCHEDULE_NAMES
+
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "plan_pipeline.py")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-SCHEDULES = [
-    "gpipe",
-    "1f1b",
-    "interleaved_1f1b",
-    "zb_h1",
-    "zb_h2",
-    "zbv",
-    "interleaved_zb",
-    "dualpipev",
-]
+SCHEDULES = list(SCHEDULE_NAMES)
 
 
 def _run(*args):
