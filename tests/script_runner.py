@@ -103,7 +103,9 @@ def start_launched_training(launch_flags, train_args) -> subprocess.Popen:
     )
 
 
-def launch_training(*train_args: str, num_workers: int = 2, devices_per_worker: int = 2):
+def launch_training(
+    *train_args: str, num_workers: int = 2, devices_per_worker: int = 2, timeout: float = 240
+):
     """Runs `scripts/train.py train_args...` on local workers via `scripts/launch.py`.
 
     Returns (exit code, combined output).
@@ -112,8 +114,66 @@ def launch_training(*train_args: str, num_workers: int = 2, devices_per_worker: 
         (f"--num_workers={num_workers}", f"--devices_per_worker={devices_per_worker}"),
         train_args,
     )
-    output, _ = launcher.communicate(timeout=240)
+    output, _ = launcher.communicate(timeout=timeout)
     return launcher.returncode, output
+
+
+def model_weights(model_dir: str) -> list:
+    """The model's arrays (`layers/...`) in the run's last epoch checkpoint; a one-device
+    run's file also holds the optimizer's."""
+    import glob
+
+    import h5py
+
+    path = sorted(glob.glob(os.path.join(model_dir, "checkpoints", "epoch-*.weights.h5")))[-1]
+    arrays = []
+    with h5py.File(path, "r") as handle:
+        handle["layers"].visititems(
+            lambda name, item: arrays.append(item[()]) if isinstance(item, h5py.Dataset) else None
+        )
+    return arrays
+
+
+def assert_same_run(model_dir: str, reference_dir: str) -> None:
+    """Asserts the run ended like `reference_dir`'s: per-epoch losses within rel 1e-5 and
+    final weights within rtol 1e-5, atol 1e-6 (float32 sums of the same gradients in
+    another order)."""
+    import numpy as np
+    import pytest
+
+    metrics, reference = read_metrics(model_dir), read_metrics(reference_dir)
+    assert metrics["status"] == "completed"
+    for epoch, expected in zip(metrics["epochs"], reference["epochs"], strict=True):
+        assert epoch["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    for weight, expected in zip(
+        model_weights(model_dir), model_weights(reference_dir), strict=True
+    ):
+        np.testing.assert_allclose(weight, expected, rtol=1e-5, atol=1e-6)
+
+
+# A user's functional model (`--model=cross_worker_models:deep_mlp`) for launched workers,
+# which import it from PYTHONPATH (see `use_deep_mlp_module`).
+DEEP_MLP_MODULE = """
+import keras
+
+
+def deep_mlp(width=32):
+    inputs = keras.Input((8, 8, 1))
+    x = keras.layers.Flatten()(inputs)
+    for index in range(3):
+        initializer = keras.initializers.GlorotUniform(seed=index)
+        x = keras.layers.Dense(width, activation="relu", kernel_initializer=initializer)(x)
+    return keras.Model(inputs, keras.layers.Dense(10)(x))
+"""
+DEEP_MLP_MODEL = "--model=cross_worker_models:deep_mlp"
+
+
+def use_deep_mlp_module(directory, monkeypatch) -> None:
+    """Writes `DEEP_MLP_MODULE` as `directory/cross_worker_models.py` and puts `directory`
+    on the PYTHONPATH that scripts, and the workers they launch, inherit."""
+    with open(os.path.join(directory, "cross_worker_models.py"), "w") as handle:
+        handle.write(DEEP_MLP_MODULE)
+    monkeypatch.setenv("PYTHONPATH", str(directory))
 
 
 def assert_split_recorded(result, metrics: dict, num_stages: int) -> dict:

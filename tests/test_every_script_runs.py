@@ -25,6 +25,7 @@ MAIN_PATH_TESTS = {
     "benchmark_parallel.py": "test_every_script_runs.py",
     "benchmark_pipeline.py": "test_every_script_runs.py",
     "benchmark_startup.py": "test_every_script_runs.py",
+    "benchmark_across_hosts.py": "test_every_script_runs.py",
 }
 
 # The smallest run of each benchmark; test_documented_commands.py shrinks the documented
@@ -80,6 +81,16 @@ SMALLEST = {
         "--batch_size=4",
         "--steady_steps=1",
     ),
+    # The hybrid mesh alone (the pipeline layout runs the same code), one host and 2 x 2.
+    "benchmark_across_hosts.py": (
+        "--layouts=hybrid",
+        "--num_layers=1",
+        "--d_model=8",
+        "--sequence_length=4",
+        "--batch_size=8",
+        "--microbatches=2",
+        "--steps=1",
+    ),
     # Its smallest measuring (one Transformer block, narrow) and --validate runs.
     "plan.py": (
         "--model_option=num_layers=1",
@@ -89,6 +100,9 @@ SMALLEST = {
         "--validate_repeats=1",
         "--validate_steps=2",
         "--validate_epochs=2",
+        # The machine's cost terms are measured and cached by tests/test_planner_accuracy.py;
+        # here they would take minutes and write to the user's cache directory.
+        "--machine_costs=none",
     ),
 }
 
@@ -106,6 +120,10 @@ RUNS = {
     ),
     "benchmark_pipeline": ("benchmark_pipeline.py", *SMALLEST["benchmark_pipeline.py"]),
     "benchmark_startup": ("benchmark_startup.py", *SMALLEST["benchmark_startup.py"]),
+    "benchmark_across_hosts": (
+        "benchmark_across_hosts.py",
+        *SMALLEST["benchmark_across_hosts.py"],
+    ),
 }
 
 
@@ -238,4 +256,28 @@ def test_benchmark_startup_records_each_kind_in_a_fresh_process_and_draws_them(t
         assert record["first_step_s"] >= record["trace_s"] > 0
         assert record["total_nodes"] >= record["step_nodes"] > 0
         assert _finite_positive(record["first_evaluation_cpu_s"], record["steady_step_s"])
+    assert_valid_png(plot)
+
+
+def test_benchmark_across_hosts_compares_one_host_with_two_workers_and_draws_it(tmp_path):
+    out, plot = tmp_path / "across.json", tmp_path / "across.png"
+    stdout = _ran(run_script(*RUNS["benchmark_across_hosts"], f"--out={out}", f"--plot={plot}"))
+
+    records = json_values(stdout)
+    assert records == json.loads(out.read_text())
+    one_host, across_hosts, ratio = records
+    assert [r["place"] for r in (one_host, across_hosts)] == ["one_host", "across_hosts"]
+    assert one_host["measured_bytes_per_step"] == one_host["analytic_bytes_per_step"] == 0
+    # Each replica's stage 0 on worker 0 and stage 1 on worker 1.
+    assert [[device.split("/")[3] for device in r] for r in across_hosts["replica_devices"]] == [
+        ["task:0", "task:1"],
+        ["task:0", "task:1"],
+    ]
+    # Rows x (sequence x d_model) x 4 bytes x 2, and the int32 labels.
+    assert across_hosts["boundary_bytes_per_step"] == 8 * 4 * 8 * 4 * 2
+    assert across_hosts["label_bytes_per_step"] == 8 * 4 * 4
+    assert across_hosts["measured_bytes_per_step"] >= across_hosts["analytic_bytes_per_step"]
+    assert _finite_positive(
+        ratio["step_time_ratio"], ratio["startup_ratio"], ratio["measured_over_analytic_bytes"]
+    )
     assert_valid_png(plot)

@@ -12,8 +12,8 @@ import tensorflow as tf
 from pipeline_runtime_models import Chain
 
 from tests.workers.local_cluster import WORKERS_DIR, assert_all_workers_succeeded, run_local_cluster
-from tfmulti.hybrid import resolve_hybrid_cluster, worker_rows
-from tfmulti.platform.cluster import resolve_cluster
+from tfmulti.hybrid import worker_rows
+from tfmulti.platform.cluster import resolve_cluster, resolve_cluster_if_described
 
 
 def _load_worker_module():
@@ -81,10 +81,10 @@ def test_each_worker_keeps_its_contiguous_share_of_every_global_batch():
 
 
 def test_hybrid_runs_on_one_host_unless_a_cluster_of_several_workers_is_described():
-    assert resolve_hybrid_cluster(environ={}) is None
+    assert resolve_cluster_if_described(environ={}) is None
     one_worker = json.dumps(
         {"cluster": {"worker": ["h:1"]}, "task": {"type": "worker", "index": 0}}
     )
-    assert resolve_hybrid_cluster(environ={"TF_CONFIG": one_worker}) is None
-    cluster = resolve_hybrid_cluster(["h:1", "h:2"], task_index=1, environ={})
+    assert resolve_cluster_if_described(environ={"TF_CONFIG": one_worker}) is None
+    cluster = resolve_cluster_if_described(["h:1", "h:2"], task_index=1, environ={})
     assert (cluster.num_workers, cluster.task_index) == (2, 1)

@@ -231,15 +231,15 @@ def test_multi_worker_script_with_steps_per_execution_trains_like_one_step_per_c
 
 
 def test_a_one_host_strategy_launched_on_two_workers_is_one_line(tmp_path):
-    # Two independent pipelines would each train alone and write the same model_dir.
+    # Two independent copies would each train alone and write the same model_dir.
     model_dir = tmp_path / "run"
     returncode, output = launch_training(
-        *TWO_EPOCHS, "--strategy=pipeline", f"--model_dir={model_dir}"
+        *TWO_EPOCHS, "--strategy=model_parallel", f"--model_dir={model_dir}"
     )
     assert returncode == 1
     assert "Traceback" not in output
-    assert "--strategy=pipeline trains on one host, but this process is worker" in output
-    assert "use --strategy=multi_worker or hybrid" in output
+    assert "--strategy=model_parallel trains on one host, but this process is worker" in output
+    assert "use --strategy=multi_worker, pipeline or hybrid" in output
     assert not (model_dir / "metrics.json").exists()
 
 

@@ -91,6 +91,7 @@ class DistributionConfig:
     mesh: str | None = None
     tensor_parallel: int = 1
     layout_map: str | None = None
+    cross_host_axis: str = "data"
 
 
 @dataclasses.dataclass

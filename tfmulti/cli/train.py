@@ -42,8 +42,14 @@ def _train(argv: list[str]) -> None:
     set_tensor_reduction(FLAGS.tensor_reduce)
     set_collective_timeout(FLAGS.collective_timeout)
     config = config_from_flags()
-    cluster = get_training_strategy(config.distribution.strategy).resolve_cluster(config)
+    training_strategy = get_training_strategy(config.distribution.strategy)
+    cluster = training_strategy.resolve_cluster(config)
     quiet = quiet_unless_chief(cluster, FLAGS.verbose_workers)
+    if cluster is not None and not cluster.is_chief and training_strategy.chief_drives_workers:
+        from tfmulti.platform.connected_cluster import serve_chief
+
+        serve_chief(cluster, config.cluster.connect_timeout)
+        return
     record = _train_or_report_timeout(config)
     if quiet or record.get(NOTHING_LEFT_TO_TRAIN):
         return
@@ -54,7 +60,8 @@ def _train(argv: list[str]) -> None:
 
 
 def _train_or_report_timeout(config):
-    """`train(config)`; a collective that timed out becomes one line naming the flag."""
+    """`train(config)`; a collective that timed out, or a worker that went away, becomes one
+    line."""
     import tensorflow as tf
 
     from tfmulti.errors import TrainingError
@@ -62,6 +69,10 @@ def _train_or_report_timeout(config):
 
     try:
         return train(config)
+    except tf.errors.UnavailableError as error:
+        from tfmulti.platform.connected_cluster import lost_worker_message
+
+        raise TrainingError(lost_worker_message(str(error))) from None
     except tf.errors.DeadlineExceededError:
         waited = f"{FLAGS.collective_timeout:g} s" if FLAGS.collective_timeout else "its timeout"
         raise TrainingError(

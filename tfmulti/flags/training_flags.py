@@ -362,6 +362,15 @@ def define_pipeline_flags() -> None:
         "--strategy=keras_model_parallel, data=D,tensor=K: the (batch, model) mesh's shape.",
     )
     flags.register_validator("mesh", _is_mesh, message="--mesh must be like data=2,pipe=2")
+    flags.DEFINE_enum(
+        "cross_host_axis",
+        "data",
+        ("data", "pipe"),
+        "With --strategy=hybrid across workers, the --mesh axis laid across the workers: data "
+        "(each worker holds whole pipelines; gradients are summed between workers) or pipe "
+        "(each replica's stages on different workers, the chief drives them all; only "
+        "activations and their gradients cross hosts).",
+    )
     flags.register_multi_flags_validator(
         ["strategy", "mesh"],
         lambda values: values["strategy"] != HYBRID_STRATEGY_NAME or values["mesh"] is not None,

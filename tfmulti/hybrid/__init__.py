@@ -6,7 +6,6 @@ from tfmulti.hybrid.build import (
     build_hybrid_model_from_model,
     copy_model,
     local_device_names,
-    resolve_hybrid_cluster,
 )
 from tfmulti.hybrid.hybrid_model import HybridPipelineModel
 from tfmulti.hybrid.worker_input import worker_rows
@@ -18,6 +17,5 @@ __all__ = [
     "build_hybrid_model_from_model",
     "copy_model",
     "local_device_names",
-    "resolve_hybrid_cluster",
     "worker_rows",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import keras
 import tensorflow as tf
@@ -15,36 +15,13 @@ from tfmulti.costing.cost_cache import CostCache
 from tfmulti.hybrid.hybrid_model import HybridPipelineModel
 from tfmulti.pipeline.runtime.pipeline_model import PipelineModel
 from tfmulti.pipeline.stages.block_partition import partition_blocks, stages_from_blocks
-from tfmulti.platform.cluster import ClusterInfo, resolve_cluster
+from tfmulti.platform.cluster import ClusterInfo
+from tfmulti.platform.connected_cluster import mesh_groups_across_workers
 from tfmulti.platform.devices import logical_device_names
 from tfmulti.platform.mesh import HybridMesh, MeshError, parse_mesh
 
-
-def resolve_hybrid_cluster(
-    worker_hosts: Sequence[str] | None = None,
-    task_index: int | None = None,
-    environ: Mapping[str, str] | None = None,
-) -> ClusterInfo | None:
-    """The cluster a hybrid run spans, or None when it runs on this host alone.
-
-    A hybrid run spans workers when explicit hosts, `TF_CONFIG` or a SLURM step describe
-    more than one worker (see `tfmulti.platform.cluster.resolve_cluster`).
-
-    Example:
-        >>> resolve_hybrid_cluster(environ={}) is None
-        True
-    """
-    environ = os.environ if environ is None else environ
-    described = (
-        worker_hosts
-        or task_index is not None
-        or environ.get("TF_CONFIG")
-        or ("SLURM_PROCID" in environ and "SLURM_STEP_NODELIST" in environ)
-    )
-    if not described:
-        return None
-    cluster = resolve_cluster(worker_hosts, task_index, environ)
-    return cluster if cluster.num_workers > 1 else None
+# The mesh axes that may be laid across workers (`--cross_host_axis`).
+CROSS_HOST_AXES = ("data", "pipe")
 
 
 def local_device_names(cluster: ClusterInfo | None = None) -> list[str]:
@@ -78,13 +55,18 @@ def build_hybrid_model(
     communication: str = "auto",
     collective_timeout: float | None = None,
     make_split_blocks: Callable[[list[str]], Sequence[keras.layers.Layer]] | None = None,
+    cross_host_axis: str = "data",
 ) -> HybridPipelineModel:
     """Builds a `HybridPipelineModel`: pipe x chunks stages per replica, data replicas,
     and with tensor > 1 each stage's layers split over its group of tensor devices.
 
-    Across workers, build `tfmulti.platform.cluster.build_multi_worker_strategy(cluster, ...)` first
-    (before any other TensorFlow work): it starts the collective runtime the gradient sums
-    use. Each worker then runs data / num_workers replicas on its own devices.
+    Across workers, the data axis or the pipe axis crosses the hosts (`cross_host_axis`).
+    With "data", build `tfmulti.platform.cluster.build_multi_worker_strategy(cluster, ...)`
+    first (before any other TensorFlow work): it starts the collective runtime the gradient
+    sums use, and each worker runs data / num_workers replicas on its own devices. With
+    "pipe", the chief alone builds the model after
+    `tfmulti.platform.connected_cluster.connect_to_workers(cluster)`: every replica's stages
+    go over the workers' devices (`mesh_groups_across_workers`), in one program.
 
     Args:
         make_blocks: returns the model's unbuilt blocks in order, the same model at every
@@ -97,13 +79,14 @@ def build_hybrid_model(
             of them), e.g. `partition_blocks(...).boundaries`; None splits evenly.
         remat: recompute each stage's forward in its backward.
         devices: this worker's devices; default all of its logical devices.
-        cluster: the cluster when data replicas span workers; None on one host.
+        cluster: the cluster when the mesh spans workers; None on one host.
         communication: collective implementation across workers: "auto", "ring", "nccl".
         collective_timeout: seconds before a stuck cross-worker sum fails; None waits.
         make_split_blocks: for tensor > 1: returns the same blocks with their layers split
             over the given devices (e.g. the reference Transformer's
             `tensor_parallel_devices`); each stage takes its own blocks from a call with
             its group of devices.
+        cross_host_axis: the mesh axis laid across `cluster`'s workers: "data" or "pipe".
 
     Raises:
         MeshError: the mesh does not fit the devices, or asks for tensor > 1 without
@@ -115,7 +98,7 @@ def build_hybrid_model(
         ...     num_microbatches=4, schedule="zb_h1")
     """
     mesh, groups, collectives = _hybrid_layout(
-        mesh, devices, cluster, communication, collective_timeout
+        mesh, devices, cluster, communication, collective_timeout, cross_host_axis
     )
     num_stages = mesh.pipe * chunks
     if partition_boundaries is None:
@@ -127,7 +110,8 @@ def build_hybrid_model(
             f"{list(partition_boundaries)}"
         )
     replica_devices = [[group[0] for group in replica] for replica in groups]
-    if mesh.tensor == 1:
+    pipe_across_workers = cluster is not None and cross_host_axis == "pipe"
+    if mesh.tensor == 1 and not pipe_across_workers:
         return HybridPipelineModel(
             lambda: stages_from_blocks(make_blocks(), partition_boundaries),
             replica_devices,
@@ -136,15 +120,26 @@ def build_hybrid_model(
             remat=remat,
             worker_collectives=collectives,
         )
-    _check_tensor_split(mesh, make_split_blocks, chunks)
+    # A rolled step (a loop over rounds) whose stages are on different workers moved 36
+    # to 40 times the stage-boundary bytes between the hosts per step: its loop state
+    # (stashes, gradient sums) crosses hosts every round. Unrolled, 1.5 times, gRPC
+    # framing included (scripts/benchmark_across_hosts.py, docs/guide/multi_worker.md).
+    rolled = False if pipe_across_workers else None
+    if mesh.tensor > 1:
+        _check_tensor_split(mesh, make_split_blocks, chunks)
 
     def make_replica(index: int, stage_devices: list[str], first) -> PipelineModel:
-        # Stage s of replica `index`: the blocks of stage s, split over that stage's group.
-        stages = [
-            stages_from_blocks(make_split_blocks(group), partition_boundaries)[stage]
-            for stage, group in enumerate(groups[index])
-        ]
-        return PipelineModel(stages, stage_devices, num_microbatches, schedule, remat)
+        if mesh.tensor == 1:
+            stages = stages_from_blocks(make_blocks(), partition_boundaries)
+        else:
+            # Stage s of replica `index`: the blocks of stage s, split over its group.
+            stages = [
+                stages_from_blocks(make_split_blocks(group), partition_boundaries)[stage]
+                for stage, group in enumerate(groups[index])
+            ]
+        return PipelineModel(
+            stages, stage_devices, num_microbatches, schedule, remat, rolled=rolled
+        )
 
     return _hybrid_of_pipelines(
         make_replica, replica_devices, num_microbatches, schedule, remat, collectives
@@ -179,6 +174,7 @@ def build_hybrid_model_from_model(
     communication: str = "auto",
     collective_timeout: float | None = None,
     cost_cache: CostCache | str | os.PathLike | None = None,
+    cross_host_axis: str = "data",
 ) -> HybridPipelineModel:
     """Builds a `HybridPipelineModel` whose replicas pipeline copies of a whole Keras model.
 
@@ -191,7 +187,7 @@ def build_hybrid_model_from_model(
         >>> hybrid = build_hybrid_model_from_model(model, "data=2,pipe=2", 4, "1f1b")
     """
     mesh, groups, collectives = _hybrid_layout(
-        mesh, devices, cluster, communication, collective_timeout
+        mesh, devices, cluster, communication, collective_timeout, cross_host_axis
     )
     if mesh.tensor > 1:
         _check_tensor_split(mesh, None, chunks)  # a whole model has no split layers
@@ -266,10 +262,19 @@ def _hybrid_layout(
     cluster: ClusterInfo | None,
     communication: str,
     collective_timeout: float | None,
+    cross_host_axis: str,
 ) -> tuple[HybridMesh, list[list[list[str]]], WorkerCollectives | None]:
     """The mesh, each local replica's stage device groups (`HybridMesh.stage_device_groups`),
-    and the collectives across workers."""
+    and the collectives across workers (None when the chief drives every worker's devices
+    as its own)."""
     mesh = parse_mesh(mesh) if isinstance(mesh, str) else mesh
+    if cross_host_axis not in CROSS_HOST_AXES:
+        raise ValueError(
+            f"cross_host_axis must be one of {CROSS_HOST_AXES}. Received: "
+            f"cross_host_axis={cross_host_axis!r}"
+        )
+    if cluster is not None and cross_host_axis == "pipe":
+        return mesh, mesh_groups_across_workers(cluster, mesh), None
     devices = list(devices) if devices is not None else local_device_names(cluster)
     num_workers = cluster.num_workers if cluster is not None else 1
     groups = mesh.stage_device_groups(devices, num_workers)

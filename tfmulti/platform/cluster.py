@@ -226,7 +226,7 @@ def build_multi_worker_strategy(
         if value is not None and value <= 0:
             raise ClusterError(f"{name} must be positive or None. Received: {name}={value}")
     if cluster.is_chief:
-        _log_exposure(cluster)
+        log_exposure(cluster)
     import tensorflow as tf
 
     implementation = {
@@ -244,7 +244,7 @@ def build_multi_worker_strategy(
         task_id=task_id,
         rpc_layer="grpc",
     )
-    watchdog = _start_join_watchdog(cluster, connect_timeout_seconds)
+    watchdog = start_join_watchdog(cluster, connect_timeout_seconds)
     try:
         return _new_strategy(resolver, options)
     except RuntimeError as error:
@@ -258,7 +258,7 @@ def build_multi_worker_strategy(
             watchdog.wait()
 
 
-def _log_exposure(cluster: ClusterInfo) -> None:
+def log_exposure(cluster: ClusterInfo) -> None:
     # A launch in a private network (only loopback) is out of everyone else's reach; any
     # other cluster is reachable by whoever reaches its hosts, so the chief says so once.
     if network_isolation.has_only_loopback():
@@ -299,7 +299,7 @@ os.kill(parent, signal.SIGKILL)
 """
 
 
-def _start_join_watchdog(cluster: ClusterInfo, timeout_seconds: float | None):
+def start_join_watchdog(cluster: ClusterInfo, timeout_seconds: float | None):
     if timeout_seconds is None:
         return None
     arguments = [str(os.getpid()), str(timeout_seconds), str(cluster.task_index)]
@@ -340,3 +340,30 @@ def worker_output_dir(model_dir: str, cluster: ClusterInfo) -> str:
     path = tempfile.mkdtemp(prefix=f"tfmulti-worker{cluster.task_index}-")
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     return path
+
+
+def resolve_cluster_if_described(
+    worker_hosts: Sequence[str] | None = None,
+    task_index: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ClusterInfo | None:
+    """The cluster a run spans, or None when it runs on this host alone.
+
+    A run spans workers when explicit hosts, `TF_CONFIG` or a SLURM step describe
+    more than one worker (see `resolve_cluster`).
+
+    Example:
+        >>> resolve_cluster_if_described(environ={}) is None
+        True
+    """
+    environ = os.environ if environ is None else environ
+    described = (
+        worker_hosts
+        or task_index is not None
+        or environ.get("TF_CONFIG")
+        or ("SLURM_PROCID" in environ and "SLURM_STEP_NODELIST" in environ)
+    )
+    if not described:
+        return None
+    cluster = resolve_cluster(worker_hosts, task_index, environ)
+    return cluster if cluster.num_workers > 1 else None

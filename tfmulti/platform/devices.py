@@ -120,6 +120,15 @@ def canonical_device_name(device: str) -> str:
     return tf.DeviceSpec.from_string(device).to_string()
 
 
+def worker_device_name(device: str) -> str:
+    """`/job:worker/replica:0/task:1/device:CPU:0` as `/job:worker/task:1/device:CPU:0`; a
+    device of this process alone (no job, or job `localhost`) as `/device:CPU:0`."""
+    spec = tf.DeviceSpec.from_string(device)
+    if spec.job in (None, "localhost"):
+        return short_device_name(device)
+    return f"/job:{spec.job}/task:{spec.task or 0}{short_device_name(device)}"
+
+
 def short_device_name(device: str) -> str:
     """`/job:worker/replica:0/task:0/device:CPU:1` as `/device:CPU:1`."""
     device_type, index = device_key(device)

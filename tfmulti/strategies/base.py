@@ -62,9 +62,13 @@ class TrainingStrategy:
                 f"--strategy={config.distribution.strategy} trains on one host, but this "
                 "process is "
                 f"worker {cluster.task_index} of {cluster.num_workers} ({cluster.source}); "
-                "use --strategy=multi_worker or hybrid across workers, or run it alone."
+                "use --strategy=multi_worker, pipeline or hybrid across workers, or run it alone."
             )
         return None
+
+    # True when, across workers, only the chief trains and the others lend it their
+    # devices (`tfmulti.platform.connected_cluster.serve_chief`) instead of calling `train`.
+    chief_drives_workers = False
 
     def make_strategy(
         self, config: TrainConfig, cluster: ClusterInfo | None

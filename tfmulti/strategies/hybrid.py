@@ -7,7 +7,12 @@ import tensorflow as tf
 
 from tfmulti.compat import worker_paths
 from tfmulti.config import TrainConfig
-from tfmulti.platform.cluster import ClusterInfo, build_multi_worker_strategy
+from tfmulti.platform.cluster import (
+    ClusterInfo,
+    build_multi_worker_strategy,
+    resolve_cluster_if_described,
+)
+from tfmulti.platform.connected_cluster import connect_to_workers
 from tfmulti.strategies.base import BuildContext, TrainingStrategy, check_batch_splits
 from tfmulti.strategies.model_source import ModelSource
 from tfmulti.strategies.pipeline import (
@@ -19,17 +24,43 @@ from tfmulti.strategies.pipeline import (
 
 
 class Hybrid(TrainingStrategy):
-    """`hybrid`: data x pipe over the devices of this host, or of every worker."""
+    """`hybrid`: data x pipe over the devices of this host, or of every worker.
+
+    Across workers, `--cross_host_axis` picks the mesh axis that crosses hosts: "data"
+    (each worker trains whole pipelines and the workers sum gradients with collectives) or
+    "pipe" (the chief connects to the cluster and drives every replica's stages on all
+    workers' devices; the other workers only serve).
+    """
+
+    def __init__(self):
+        self._pipe_crosses_hosts = False
 
     def resolve_cluster(self, config: TrainConfig) -> ClusterInfo | None:
-        from tfmulti.hybrid import resolve_hybrid_cluster
+        cluster = resolve_cluster_if_described(
+            config.cluster.worker_hosts, config.cluster.task_index
+        )
+        # Kept for `chief_drives_workers` and `feeds_worker_rows`, which the run reads
+        # without its config, after this call.
+        self._pipe_crosses_hosts = _pipe_crosses_hosts(config, cluster)
+        return cluster
 
-        return resolve_hybrid_cluster(config.cluster.worker_hosts, config.cluster.task_index)
+    @property
+    def chief_drives_workers(self) -> bool:
+        return self._pipe_crosses_hosts
+
+    @property
+    def feeds_worker_rows(self) -> bool:
+        """Each worker feeds its own rows of every global batch when the data axis crosses
+        the workers; with the pipe axis across them the chief alone feeds every row."""
+        return not self._pipe_crosses_hosts
 
     def make_strategy(
         self, config: TrainConfig, cluster: ClusterInfo | None
     ) -> tf.distribute.Strategy:
         if cluster is None:
+            return tf.distribute.get_strategy()
+        if _pipe_crosses_hosts(config, cluster):
+            connect_to_workers(cluster, config.cluster.connect_timeout)
             return tf.distribute.get_strategy()
         # The strategy only starts the collective runtime; nothing runs in its scope.
         return build_multi_worker_strategy(
@@ -72,6 +103,7 @@ class Hybrid(TrainingStrategy):
                 communication=config.cluster.communication,
                 collective_timeout=config.cluster.collective_timeout,
                 cost_cache=partition_cost_cache(config),
+                cross_host_axis=config.distribution.cross_host_axis,
             )
         boundaries = split_blocks(
             config,
@@ -93,17 +125,17 @@ class Hybrid(TrainingStrategy):
             communication=config.cluster.communication,
             collective_timeout=config.cluster.collective_timeout,
             make_split_blocks=source.build_split_blocks,
+            cross_host_axis=config.distribution.cross_host_axis,
         )
 
     def prepare(self, model: keras.Model, context: BuildContext) -> None:
         """Builds every replica on one batch."""
         model(context.sample_x)
 
-    # Each worker feeds its own rows of every global batch; every worker validates on the
-    # whole validation split, so all report the same.
-    feeds_worker_rows = True
-
     def worker_rows(self, train: tf.data.Dataset, cluster: ClusterInfo) -> tf.data.Dataset:
+        """This worker's rows of every global batch, with the data axis across workers
+        (each worker still validates on the whole validation split, so all report the
+        same)."""
         from tfmulti.hybrid import worker_rows
 
         return worker_rows(train, cluster)
@@ -119,3 +151,7 @@ class Hybrid(TrainingStrategy):
         runs here, so the compat fix of Keras' callbacks does not redirect them."""
         if cluster is not None and not cluster.is_chief:
             worker_paths.redirect_to_scratch(callbacks, worker_paths.scratch_dir())
+
+
+def _pipe_crosses_hosts(config: TrainConfig, cluster: ClusterInfo | None) -> bool:
+    return cluster is not None and config.distribution.cross_host_axis == "pipe"

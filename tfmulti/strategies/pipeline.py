@@ -6,21 +6,39 @@ import os
 
 import keras
 import numpy as np
+import tensorflow as tf
 from absl import logging
 
 from tfmulti.config import TrainConfig
 from tfmulti.pipeline.actions import Schedule
 from tfmulti.pipeline.stages.split_summary import MEASURED_SECONDS_ATTRIBUTE, MeasuredStageSeconds
+from tfmulti.platform.cluster import ClusterInfo, resolve_cluster_if_described
+from tfmulti.platform.connected_cluster import connect_to_workers, devices_across_workers
 from tfmulti.platform.devices import first_logical_devices
 from tfmulti.strategies.base import BuildContext, DevicePlacingStrategy, check_batch_splits
 from tfmulti.strategies.model_source import ModelSource
 
 
 class Pipeline(DevicePlacingStrategy):
-    """`pipeline`: `--num_stages` stages, `--microbatches` per step, on `--schedule`."""
+    """`pipeline`: `--num_stages` stages, `--microbatches` per step, on `--schedule`; over
+    several workers, the chief drives the stages on every worker's devices."""
+
+    chief_drives_workers = True
+
+    def resolve_cluster(self, config: TrainConfig) -> ClusterInfo | None:
+        return resolve_cluster_if_described(config.cluster.worker_hosts, config.cluster.task_index)
+
+    def make_strategy(
+        self, config: TrainConfig, cluster: ClusterInfo | None
+    ) -> tf.distribute.Strategy:
+        if cluster is not None:
+            connect_to_workers(cluster, config.cluster.connect_timeout)
+        return tf.distribute.get_strategy()
 
     def build(self, source: ModelSource, config: TrainConfig, context: BuildContext) -> keras.Model:
-        return build_staged_model(source, config, context.sample_x, pipelined=True)
+        return build_staged_model(
+            source, config, context.sample_x, pipelined=True, cluster=context.cluster
+        )
 
 
 def model_partition(partition: str) -> str | list[str]:
@@ -145,7 +163,11 @@ def configured_schedule(config: TrainConfig, pipe: int | None = None):
 
 
 def build_staged_model(
-    source: ModelSource, config: TrainConfig, sample_x: np.ndarray, pipelined: bool
+    source: ModelSource,
+    config: TrainConfig,
+    sample_x: np.ndarray,
+    pipelined: bool,
+    cluster: ClusterInfo | None = None,
 ) -> keras.Model:
     """Splits the model's blocks into stages on devices, in a `PipelineModel`.
 
@@ -158,20 +180,28 @@ def build_staged_model(
         sample_x: one global batch of inputs, to cost the blocks.
         pipelined: micro-batches on `config.pipeline.schedule` (True), or one batch through the
             stages in turn (False: plain model parallelism).
+        cluster: the workers whose devices the stages spread over, in rank order (the
+            chief connected to them); None for this host's devices.
     """
     from tfmulti.pipeline.runtime import PipelineModel, stages_from_blocks
 
     num_microbatches = config.pipeline.microbatches if pipelined else 1
     schedule = configured_schedule(config) if pipelined else "model_parallel"
     chunks = config.pipeline.chunks if pipelined else 1
-    devices = first_logical_devices(
-        config.pipeline.num_stages, f"--num_stages={config.pipeline.num_stages}"
+    purpose = f"--num_stages={config.pipeline.num_stages}"
+    devices = (
+        devices_across_workers(cluster, config.pipeline.num_stages, purpose)
+        if cluster is not None
+        else first_logical_devices(config.pipeline.num_stages, purpose)
     )
     check_batch_splits(
         config.data.batch_size,
         num_microbatches,
         f"{num_microbatches} micro-batches (--microbatches)",
     )
+    # A rolled step's loop state (stashes, gradient sums) would cross hosts every round:
+    # about 40 times the stage-boundary bytes (scripts/benchmark_across_hosts.py).
+    rolled = None if config.pipeline.rolled and cluster is None else False
     if not source.is_reference:
         return PipelineModel.from_model(
             source.model(),
@@ -181,7 +211,7 @@ def build_staged_model(
             chunks=chunks,
             partition=model_partition(config.pipeline.partition),
             remat=config.pipeline.remat,
-            rolled=None if config.pipeline.rolled else False,
+            rolled=rolled,
             sample_input=sample_x[: config.data.batch_size // num_microbatches],
             cost_cache=partition_cost_cache(config),
         )
@@ -205,7 +235,7 @@ def build_staged_model(
         num_microbatches,
         schedule,
         remat=config.pipeline.remat,
-        rolled=None if config.pipeline.rolled else False,
+        rolled=rolled,
     )
     if seconds is not None:
         setattr(model, MEASURED_SECONDS_ATTRIBUTE, seconds)

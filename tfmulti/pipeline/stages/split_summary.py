@@ -16,7 +16,7 @@ import keras
 
 from tfmulti.pipeline.balance import Block
 from tfmulti.pipeline.simulate import CostModel, StageCost, simulate
-from tfmulti.platform.devices import short_device_name
+from tfmulti.platform.devices import short_device_name, worker_device_name
 from tfmulti.text_table import format_table
 
 _LISTED_NAMES = 4  # names a log line shows per stage before eliding the middle
@@ -115,7 +115,7 @@ class SplitSummary:
         rows = [
             (
                 str(stage.stage),
-                short_device_name(stage.device),
+                worker_device_name(stage.device),
                 _listed(stage.blocks),
                 str(stage.params),
                 *((f"{stage.seconds * 1e3:.2f}", f"{stage.seconds_share:.1%}") if measured else ()),
@@ -126,7 +126,7 @@ class SplitSummary:
         table = format_table(rows, columns + (("F+B ms", "share") if measured else ()))
         lines = [heading, table]
         lines += [
-            f"replica {index} devices: {', '.join(short_device_name(d) for d in devices)}"
+            f"replica {index} devices: {', '.join(worker_device_name(d) for d in devices)}"
             for index, devices in enumerate(self.replica_devices)
             if len(self.replica_devices) > 1
         ]

@@ -1,0 +1,156 @@
+"""A hybrid mesh whose pipe axis crosses the workers trains like one device.
+
+`scripts/launch.py` starts 2 workers of 2 logical CPU devices and `--strategy=hybrid
+--mesh=data=2,pipe=2 --cross_host_axis=pipe` puts each data replica's stage 0 on worker 0
+and stage 1 on worker 1: the chief connects to the cluster and drives both replicas, the
+sum of a stage's gradients over the replicas stays inside the worker that holds the
+stage, and only activations and their gradients cross hosts. The runs hold for the
+reference MLP (SGD, 1F1B), a user's module (Adam, ZB-H1), and the reference Transformer
+with each stage's layers split over two devices of its worker (data=2,pipe=2,tensor=2 over
+2 workers x 4 devices).
+
+Tolerance: as `assert_same_run` (the same gradients summed in another order).
+"""
+
+import pytest
+from script_runner import (
+    DEEP_MLP_MODEL,
+    TWO_EPOCHS,
+    assert_same_run,
+    launch_training,
+    read_metrics,
+    run_script,
+    use_deep_mlp_module,
+)
+from test_train_script_hybrid import TRANSFORMER
+
+from tfmulti.platform.cluster import resolve_cluster
+from tfmulti.platform.connected_cluster import mesh_groups_across_workers, pipe_major_groups
+from tfmulti.platform.mesh import parse_mesh
+
+PIPE_ACROSS_WORKERS = (
+    "--strategy=hybrid",
+    "--mesh=data=2,pipe=2",
+    "--cross_host_axis=pipe",
+    "--microbatches=2",
+)
+
+
+def worker_device(task: int, index: int) -> str:
+    return f"/job:worker/replica:0/task:{task}/device:CPU:{index}"
+
+
+@pytest.fixture(scope="module")
+def pipe_across_workers_run(tmp_path_factory) -> tuple[str, str]:
+    """(model_dir, output) of the reference MLP on 2 launched workers, pipe axis across."""
+    model_dir = str(tmp_path_factory.mktemp("pipe_across_workers") / "run")
+    returncode, output = launch_training(
+        *TWO_EPOCHS, *PIPE_ACROSS_WORKERS, "--schedule=1f1b", f"--model_dir={model_dir}"
+    )
+    assert returncode == 0, output[-3000:]
+    return model_dir, output
+
+
+def test_replicas_with_stages_on_two_workers_train_like_one_device(
+    tmp_path, pipe_across_workers_run
+):
+    reference_dir = str(tmp_path / "one_device")
+    reference = run_script(
+        "train.py", *TWO_EPOCHS, "--strategy=one_device", f"--model_dir={reference_dir}"
+    )
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    model_dir, _ = pipe_across_workers_run
+    assert_same_run(model_dir, reference_dir)
+
+
+def test_each_stage_of_every_replica_is_on_one_worker_and_only_the_chief_reports(
+    pipe_across_workers_run,
+):
+    model_dir, output = pipe_across_workers_run
+    split = read_metrics(model_dir)["run"]["split"]
+    # Stage s of both replicas on worker s: a stage's gradient sum stays on one host.
+    assert split["replica_devices"] == [
+        [worker_device(0, 0), worker_device(1, 0)],
+        [worker_device(0, 1), worker_device(1, 1)],
+    ]
+    assert [stage["device"] for stage in split["stages"]] == [
+        worker_device(0, 0),
+        worker_device(1, 0),
+    ]
+    assert "[worker 1]" not in output  # the serving worker prints nothing
+    assert "session config" not in output
+
+
+def test_a_users_model_under_adam_and_zb_h1_with_pipe_across_workers_trains_like_one_device(
+    tmp_path, monkeypatch
+):
+    use_deep_mlp_module(tmp_path, monkeypatch)
+    user_flags = (DEEP_MLP_MODEL, "--optimizer=adam", "--learning_rate=0.01")
+    reference_dir = str(tmp_path / "one_device")
+    reference = run_script(
+        "train.py",
+        *TWO_EPOCHS,
+        *user_flags,
+        "--strategy=one_device",
+        f"--model_dir={reference_dir}",
+    )
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    model_dir = str(tmp_path / "run")
+    returncode, output = launch_training(
+        *TWO_EPOCHS,
+        *user_flags,
+        *PIPE_ACROSS_WORKERS,
+        "--schedule=zb_h1",
+        f"--model_dir={model_dir}",
+    )
+    assert returncode == 0, output[-3000:]
+    assert_same_run(model_dir, reference_dir)
+
+
+def test_tensor_groups_inside_each_worker_with_pipe_across_workers_train_like_one_device(
+    tmp_path,
+):
+    reference_dir = str(tmp_path / "one_device")
+    reference = run_script(
+        "train.py", *TRANSFORMER, "--strategy=one_device", f"--model_dir={reference_dir}"
+    )
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    model_dir = str(tmp_path / "run")
+    returncode, output = launch_training(
+        *TRANSFORMER,
+        "--strategy=hybrid",
+        "--mesh=data=2,pipe=2,tensor=2",
+        "--cross_host_axis=pipe",
+        "--microbatches=2",
+        f"--model_dir={model_dir}",
+        devices_per_worker=4,
+        timeout=300,
+    )
+    assert returncode == 0, output[-3000:]
+    metrics, expected = read_metrics(model_dir), read_metrics(reference_dir)
+    # Each replica's stage s on worker s, its tensor pair on two devices of that worker.
+    assert metrics["run"]["split"]["replica_devices"] == [
+        [worker_device(0, 0), worker_device(1, 0)],
+        [worker_device(0, 2), worker_device(1, 2)],
+    ]
+    # The weights file holds split layers' shards, so the losses are compared.
+    for epoch, wanted in zip(metrics["epochs"], expected["epochs"], strict=True):
+        assert epoch["loss"] == pytest.approx(wanted["loss"], rel=1e-5)
+    assert metrics["final"]["loss"] == pytest.approx(expected["final"]["loss"], rel=1e-5)
+
+
+def test_rank_order_keeps_tensor_then_data_groups_inside_a_pipe_stage():
+    devices = [f"w{worker}d{index}" for worker in range(2) for index in range(4)]
+    groups = pipe_major_groups(devices, parse_mesh("data=2,pipe=2,tensor=2"))
+    assert groups == [
+        [["w0d0", "w0d1"], ["w1d0", "w1d1"]],  # replica 0: stage 0 on worker 0, 1 on 1
+        [["w0d2", "w0d3"], ["w1d2", "w1d3"]],
+    ]
+
+
+def test_a_pipe_axis_that_does_not_split_over_the_workers_is_refused():
+    cluster = resolve_cluster(["h:1", "h:2"], task_index=0)
+    with pytest.raises(ValueError, match="pipe must be a multiple of 2; use ") as raised:
+        mesh_groups_across_workers(cluster, parse_mesh("data=4,pipe=1"))
+    assert "--cross_host_axis=data" in str(raised.value)
+    assert "Received: pipe=1" in str(raised.value)

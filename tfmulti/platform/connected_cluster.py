@@ -1,0 +1,248 @@
+"""One program over every worker's devices: the chief drives, the other workers serve.
+
+The chief connects to the cluster (`tf.config.experimental_connect_to_cluster`), after
+which the other workers' devices are its own logical devices
+(`/job:worker/replica:0/task:1/device:CPU:0`): a `tf.function` placed across them runs as
+one program, and TensorFlow's runtime moves the tensors between hosts. Every other worker
+only starts a `tf.distribute.Server` with its logical devices and serves until the chief
+has gone. This is how a pipeline puts its stages on different workers, and a hybrid mesh its pipe
+axis (`mesh_groups_across_workers`).
+
+Example:
+    >>> cluster = resolve_cluster()
+    >>> if not cluster.is_chief:
+    ...     serve_chief(cluster)  # returns once the chief has finished
+    >>> connect_to_workers(cluster)
+    >>> devices = devices_across_workers(cluster, 4, "--num_stages=4")
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import time
+
+from absl import logging
+
+from tfmulti.platform import cluster as cluster_lib
+from tfmulti.platform.cluster import ClusterError, ClusterInfo
+from tfmulti.platform.mesh import HybridMesh
+
+_POLL_SECONDS = 0.5
+
+
+def connect_to_workers(cluster: ClusterInfo, connect_timeout_seconds: float | None = None) -> None:
+    """Makes every worker's devices logical devices of this process (the chief).
+
+    Call before any other TensorFlow work (logical devices may be configured first). The
+    call returns once every worker serves.
+
+    Args:
+        cluster: from `resolve_cluster`; this process must be its chief.
+        connect_timeout_seconds: if set and the workers have not all joined by then, one
+            line naming the unreachable ones goes to stderr and the process is killed.
+
+    Raises:
+        ClusterError: this process is not the chief, or TensorFlow already started.
+    """
+    if not cluster.is_chief:
+        raise ClusterError(
+            f"Only the chief connects to the other workers; worker {cluster.task_index} "
+            f"serves them (serve_chief). Received: task_index={cluster.task_index}"
+        )
+    cluster_lib.log_exposure(cluster)
+    import tensorflow as tf
+
+    job, task = cluster.task()
+    watchdog = cluster_lib.start_join_watchdog(cluster, connect_timeout_seconds)
+    # TensorFlow logs the whole session config at INFO while it connects.
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity(logging.WARNING)
+    try:
+        tf.config.experimental_connect_to_cluster(
+            tf.train.ClusterSpec(cluster.cluster_spec()), job_name=job, task_index=task
+        )
+        tf.config.list_logical_devices()  # waits for the workers that have not joined yet
+    except (RuntimeError, ValueError) as error:
+        raise ClusterError(
+            "Connect to the workers before any other TensorFlow work (tensors, models, "
+            f"listing logical devices). TensorFlow said: {error}"
+        ) from None
+    finally:
+        logging.set_verbosity(verbosity)
+        if watchdog is not None:
+            watchdog.stdin.close()  # tells the watchdog to stand down
+            watchdog.wait()
+
+
+def serve_chief(cluster: ClusterInfo, connect_timeout_seconds: float | None = None) -> None:
+    """Lends this worker's logical devices to the chief until the chief has gone.
+
+    Starts a `tf.distribute.Server` at this worker's address in `cluster` with as many
+    logical CPU devices as this process was configured with (`configure_logical_devices`),
+    then waits: first for the chief to listen, then for it to stop listening. Once the
+    chief listens, SIGTERM is ignored: the chief saves on it, and needs this worker to.
+
+    Args:
+        cluster: from `resolve_cluster`; this process must not be its chief.
+        connect_timeout_seconds: seconds to wait for the chief to listen; None waits
+            forever.
+
+    Raises:
+        ClusterError: this process is the chief, or the chief never listened.
+    """
+    if cluster.is_chief:
+        raise ClusterError("The chief connects to the workers (connect_to_workers), not serves.")
+    import tensorflow as tf
+
+    job, task = cluster.task()
+    tf.distribute.Server(
+        tf.train.ClusterSpec(cluster.cluster_spec()),
+        job_name=job,
+        task_index=task,
+        protocol="grpc",
+        config=tf.compat.v1.ConfigProto(device_count={"CPU": _logical_cpu_count()}),
+    )
+    chief = cluster.worker_addresses[0]
+    deadline = (
+        None if connect_timeout_seconds is None else time.monotonic() + connect_timeout_seconds
+    )
+    while not _listens(chief):
+        if deadline is not None and time.monotonic() > deadline:
+            raise ClusterError(
+                f"Worker {cluster.task_index}: the chief at {chief} did not listen within "
+                f"{connect_timeout_seconds:g} s (--connect_timeout)."
+            )
+        time.sleep(_POLL_SECONDS)
+    # A SIGTERM (preemption, or the launcher stopping the group) is the chief's to act on:
+    # it saves a step checkpoint, which reads this worker's variables, so this worker
+    # serves on until the chief has gone.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while _listens(chief):
+        time.sleep(_POLL_SECONDS)
+
+
+def devices_across_workers(cluster: ClusterInfo, count: int, purpose: str) -> list[str]:
+    """`count` devices, the same number on each worker, in rank order, then device order.
+
+    Consecutive pipeline stages thus share a worker and only the stage boundaries between
+    workers cross hosts: with 2 workers of 2 devices, stages 0-1 run on worker 0, 2-3 on
+    worker 1. Call on the chief after `connect_to_workers`.
+
+    Args:
+        count: how many devices are needed.
+        purpose: what needs them, for the message, e.g. "--num_stages=4".
+
+    Raises:
+        ValueError: `count` does not split evenly over the workers, or a worker has too
+            few devices; the message names the devices each worker has.
+    """
+    from tfmulti.platform.devices import accelerator_type, logical_device_names
+
+    names = logical_device_names(accelerator_type())
+    per_worker = [_devices_of(names, job, task) for job, task in _tasks_in_rank_order(cluster)]
+    share, remainder = divmod(count, cluster.num_workers)
+    available = [len(devices) for devices in per_worker]
+    if remainder or share == 0 or min(available) < share:
+        raise ValueError(
+            f"{purpose} over {cluster.num_workers} workers needs the same number of devices "
+            f"on each, at most as many as each has; use a multiple of {cluster.num_workers} "
+            f"up to {cluster.num_workers * min(available)}, or give the workers more devices "
+            f"(--devices_per_worker). Received: {count} devices, workers with {available}"
+        )
+    return [name for devices in per_worker for name in devices[:share]]
+
+
+def mesh_groups_across_workers(cluster: ClusterInfo, mesh: HybridMesh) -> list[list[list[str]]]:
+    """Per data replica and pipeline stage, its tensor devices, with the pipe axis across
+    the workers: each worker holds pipe / workers consecutive stages of every replica.
+
+    A stage's data and tensor groups then stay inside one worker (gradient sums and
+    tensor all-reduces never cross hosts); only activations and their gradients at the
+    stage boundaries between workers do. Call on the chief after `connect_to_workers`.
+
+    Raises:
+        ValueError: the pipe axis does not split evenly over the workers, or a worker has
+            too few devices.
+
+    Example:
+        >>> mesh_groups_across_workers(cluster, parse_mesh("data=2,pipe=2"))  # 2 x 2 devices
+        [[['/job:worker/.../task:0/device:CPU:0'], ['/job:worker/.../task:1/device:CPU:0']],
+         [['/job:worker/.../task:0/device:CPU:1'], ['/job:worker/.../task:1/device:CPU:1']]]
+    """
+    if mesh.pipe % cluster.num_workers:
+        raise ValueError(
+            f"--cross_host_axis=pipe lays mesh {mesh}'s pipe axis over {cluster.num_workers} "
+            f"workers, so pipe must be a multiple of {cluster.num_workers}; use "
+            f"--cross_host_axis=data or another mesh. Received: pipe={mesh.pipe}"
+        )
+    devices = devices_across_workers(cluster, mesh.num_devices, f"--mesh={mesh}")
+    return pipe_major_groups(devices, mesh)
+
+
+def pipe_major_groups(devices: list[str], mesh: HybridMesh) -> list[list[list[str]]]:
+    """Splits `devices`, in rank order, into per replica and stage its tensor devices, in
+    Megatron's rank order: tensor fastest, then data, then pipe.
+
+    Example:
+        >>> pipe_major_groups(["a", "b", "c", "d"], parse_mesh("data=2,pipe=2"))
+        [[['a'], ['c']], [['b'], ['d']]]
+    """
+    return [
+        [
+            [
+                devices[(stage * mesh.data + replica) * mesh.tensor + rank]
+                for rank in range(mesh.tensor)
+            ]
+            for stage in range(mesh.pipe)
+        ]
+        for replica in range(mesh.data)
+    ]
+
+
+def lost_worker_message(error_text: str) -> str:
+    """One line for TensorFlow's UnavailableError when a connected worker has gone away.
+
+    Example:
+        >>> lost_worker_message(str(error))
+        'Lost a worker: TensorFlow could not reach /job:worker/replica:0/task:1/device:CPU:0 ...'
+    """
+    target = re.search(r"remote target (\S+) while", error_text)
+    reason = re.search(r'grpc_message:"([^"]+)"', error_text)
+    return (
+        f"Lost a worker: TensorFlow could not reach {target[1] if target else 'a worker'}"
+        f"{f' ({reason[1]})' if reason else ''}; check that worker's log. Under "
+        "scripts/launch.py, --max_restarts restarts the group from the last step checkpoint."
+    )
+
+
+def _tasks_in_rank_order(cluster: ClusterInfo) -> list[tuple[str, int]]:
+    spec = cluster.cluster_spec()
+    return [(job, index) for job in ("chief", "worker") for index in range(len(spec.get(job, [])))]
+
+
+def _devices_of(names: list[str], job: str, task: int) -> list[str]:
+    import tensorflow as tf
+
+    specs = [(tf.DeviceSpec.from_string(name), name) for name in names]
+    owned = [
+        (spec.device_index, name) for spec, name in specs if (spec.job, spec.task) == (job, task)
+    ]
+    return [name for _, name in sorted(owned)]
+
+
+def _logical_cpu_count() -> int:
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    return len(tf.config.get_logical_device_configuration(cpu) or [cpu])
+
+
+def _listens(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
