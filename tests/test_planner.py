@@ -21,9 +21,10 @@ from tfmulti.planner import (
     score_layout,
     search_layouts,
 )
+from tfmulti.planner.scoring import Layout
 from tfmulti.planner.train_flags import train_flags
 from tfmulti.planner.validation import distinct_layouts
-from tfmulti.platform.mesh import HybridMesh
+from tfmulti.platform.mesh import HybridMesh, parse_mesh
 
 GLOBAL_BATCH = 16
 HARDWARE = Hardware(bandwidth=2e8)
@@ -227,10 +228,29 @@ def test_interleaved_flags_parse_with_train_py():
     assert result.returncode == 0, result.stderr
 
 
-def test_distinct_layouts_differ_in_mesh_or_schedule():
+def _runs(layout):
+    if layout.schedule is None:
+        return None
+    schedule = build_schedule(
+        layout.schedule, layout.mesh.pipe, layout.num_microbatches, layout.chunks
+    )
+    return schedule.stage_devices, schedule.device_actions
+
+
+def test_distinct_layouts_differ_in_mesh_or_in_what_their_devices_run():
     layouts = distinct_layouts(search_layouts(_costs(), 4, GLOBAL_BATCH, HARDWARE), 4)
-    kinds = {(layout.mesh, layout.schedule, layout.chunks) for layout in layouts}
+    kinds = {(layout.mesh, layout.chunks, _runs(layout)) for layout in layouts}
     assert len(kinds) == len(layouts) == 4
+
+
+def test_schedules_that_run_the_same_actions_are_one_kind():
+    # At one micro-batch ZB-H1 and ZB-H2 (and GPipe and 1F1B) build the same actions.
+    mesh = parse_mesh("pipe=2")
+    same = [
+        Layout(mesh, name, 1, 1, (1,), 1.0 + index, 1.0, 0.0, 0.0, 0.0)
+        for index, name in enumerate(("zb_h1", "zb_h2", "gpipe", "1f1b"))
+    ]
+    assert [layout.schedule for layout in distinct_layouts(same, 4)] == ["zb_h1", "gpipe"]
 
 
 def test_plan_script_prints_json_layouts_from_a_cost_file(tmp_path):

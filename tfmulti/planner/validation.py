@@ -20,6 +20,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from tfmulti.pipeline.schedules import build_schedule
 from tfmulti.planner.costs import ModelCosts
 from tfmulti.planner.scoring import Layout
 from tfmulti.planner.train_flags import train_flags
@@ -51,14 +52,28 @@ class Measurement:
 
 
 def distinct_layouts(layouts: Sequence[Layout], count: int) -> list[Layout]:
-    """The best `count` layouts with different (mesh, schedule, chunks), in ranked order."""
+    """The best `count` layouts of different kinds, in ranked order: a kind is a mesh and
+    what its pipeline devices run (chunk placement and per-device actions), so schedules
+    that build the same actions (gpipe and 1f1b, or zb_h1 and zb_h2, at one micro-batch)
+    count once."""
     chosen, seen = [], set()
     for layout in layouts:
-        kind = (layout.mesh, layout.schedule, layout.chunks)
+        kind = (layout.mesh, layout.chunks, _actions_run(layout))
         if kind not in seen:
             seen.add(kind)
             chosen.append(layout)
     return chosen[:count]
+
+
+def _actions_run(layout: Layout) -> tuple | None:
+    """Per device, the actions `layout`'s schedule runs, with its stage placement (None
+    without a pipeline)."""
+    if layout.schedule is None:
+        return None
+    schedule = build_schedule(
+        layout.schedule, layout.mesh.pipe, layout.num_microbatches, layout.chunks
+    )
+    return schedule.stage_devices, schedule.device_actions
 
 
 def accepts_flags(flags: Sequence[str]) -> bool:
