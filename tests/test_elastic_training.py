@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from script_runner import read_metrics, run_script, start_launched_training
+from script_runner import model_weights, read_metrics, run_script, start_launched_training
 from test_elastic_launcher import write_slots
 from test_exact_resume import final_weights
 
@@ -69,15 +69,15 @@ def launch_elastic(model_dir, *launch_flags, train_flags=(), grace_seconds=3):
     )
 
 
-def assert_ends_like(model_dir, reference_dir):
+def assert_ends_like(model_dir, reference_dir, weights=final_weights):
+    """Per-epoch losses within rel 1e-4 and `weights` (by default every array of the last
+    epoch checkpoint, optimizer state included) within rtol 1e-5, atol 1e-6."""
     metrics, reference = read_metrics(model_dir), read_metrics(reference_dir)
     assert metrics["status"] == "completed"
     assert [e["epoch"] for e in metrics["epochs"]] == [1, 2, 3]
     for epoch, expected in zip(metrics["epochs"], reference["epochs"], strict=True):
         assert epoch["loss"] == pytest.approx(expected["loss"], rel=1e-4)
-    for weight, expected in zip(
-        final_weights(model_dir), final_weights(reference_dir), strict=True
-    ):
+    for weight, expected in zip(weights(model_dir), weights(reference_dir), strict=True):
         np.testing.assert_allclose(weight, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -220,3 +220,30 @@ def test_a_slot_leaving_then_rejoining_the_list_goes_3_2_3_and_ends_like_the_uni
     assert [entry["workers"] for entry in metrics["membership"]] == [3, 2, 3]
     assert metrics["membership"][2]["joined"] == ["c"]
     assert_ends_like(model_dir, one_device_run(tmp_path))
+
+
+def test_a_hybrid_mesh_that_loses_a_worker_goes_on_along_its_data_axis(tmp_path):
+    # 2 workers x 2 devices hold data=2,pipe=2; the one left holds data=1,pipe=2.
+    model_dir = str(tmp_path / "run")
+    launcher = start_launched_training(
+        ("--num_workers=1:2", "--max_restarts_per_worker=0", "--devices_per_worker=2"),
+        (
+            *FLAGS,
+            "--strategy=hybrid",
+            "--mesh=data=auto,pipe=2",
+            "--microbatches=2",
+            f"--model_dir={model_dir}",
+        ),
+    )
+    try:
+        kill_slot_once_checkpointed(launcher, model_dir, "slot1", 50)
+        output, _ = launcher.communicate(timeout=300)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, output[-3000:]
+    assert "slot1 left; 1 workers (slot0); restarting the group" in output
+    metrics = read_metrics(model_dir)
+    assert [entry["workers"] for entry in metrics["membership"]] == [2, 1]
+    assert metrics["run"]["num_replicas"] == 1  # data=1,pipe=2 after the shrink
+    # A hybrid model's epoch checkpoint is the plain model's weights file.
+    assert_ends_like(model_dir, one_device_run(tmp_path), weights=model_weights)

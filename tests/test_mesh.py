@@ -2,7 +2,7 @@
 
 import pytest
 
-from tfmulti.platform.mesh import HybridMesh, MeshError, parse_mesh
+from tfmulti.platform.mesh import HybridMesh, MeshError, parse_mesh, resolve_data_axis
 
 
 @pytest.mark.parametrize(
@@ -72,3 +72,22 @@ def test_tensor_shards_of_a_stage_are_neighbouring_devices():
         mesh.replica_devices([str(i) for i in range(8)])
     with pytest.raises(MeshError, match="stage must be in 0..1. Received: stage=2"):
         mesh.local_device_index(0, 2)
+
+
+@pytest.mark.parametrize(
+    "text, devices, expected",
+    [
+        ("data=auto,pipe=2", 8, "data=4,pipe=2"),
+        ("pipe=2,tensor=2,data=auto", 8, "pipe=2,tensor=2,data=2"),
+        ("data=auto,pipe=2", None, "data=1,pipe=2"),
+        ("data=3,pipe=2", 4, "data=3,pipe=2"),
+    ],
+)
+def test_data_auto_fills_the_devices_with_replicas(text, devices, expected):
+    assert resolve_data_axis(text, devices) == expected
+
+
+@pytest.mark.parametrize("devices", [6, 2])
+def test_data_auto_refuses_devices_pipe_times_tensor_does_not_divide(devices):
+    with pytest.raises(MeshError, match="replicas of pipe x tensor = 4 devices, but the run"):
+        resolve_data_axis("data=auto,pipe=2,tensor=2", devices)

@@ -232,10 +232,10 @@ def _is_partition_spec(text: str) -> bool:
 
 def _parsed_mesh(text: str):
     """The mesh `text` names, or None when it does not parse (`_is_mesh` reports that)."""
-    from tfmulti.platform.mesh import MeshError, parse_mesh
+    from tfmulti.platform.mesh import MeshError, parse_mesh, resolve_data_axis
 
     try:
-        return parse_mesh(text)
+        return parse_mesh(resolve_data_axis(text, None))
     except MeshError:
         return None
 
@@ -361,7 +361,9 @@ def define_pipeline_flags() -> None:
         "host x workers; each data replica pipelines over pipe devices of one host. With "
         "--strategy=keras_model_parallel, data=D,tensor=K: the (batch, model) mesh's shape.",
     )
-    flags.register_validator("mesh", _is_mesh, message="--mesh must be like data=2,pipe=2")
+    flags.register_validator(
+        "mesh", _is_mesh, message="--mesh must be like data=2,pipe=2 (or data=auto,pipe=2)"
+    )
     flags.DEFINE_enum(
         "cross_host_axis",
         "data",

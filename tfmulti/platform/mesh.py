@@ -169,3 +169,38 @@ def parse_mesh(text: str) -> HybridMesh:
         except ValueError:
             sizes[axis] = value.strip()
     return HybridMesh(**sizes)
+
+
+def resolve_data_axis(text: str, num_devices: int | None) -> str:
+    """`text` with `data=auto` replaced by the data replicas that fill `num_devices`
+    devices (`num_devices // (pipe x tensor)`); other meshes are returned as they are. An
+    elastic job's hybrid mesh says `data=auto`, so it follows the workers it has.
+
+    Args:
+        text: a mesh, e.g. "data=auto,pipe=2".
+        num_devices: every device the run has; None reads `data=auto` as 1, to check the
+            rest of the mesh before the devices are known.
+
+    Raises:
+        MeshError: `num_devices` is not a multiple of pipe x tensor.
+
+    Example:
+        >>> resolve_data_axis("data=auto,pipe=2", 8)
+        'data=4,pipe=2'
+    """
+    parts = [part.strip() for part in str(text).split(",")]
+    if "data=auto" not in parts:
+        return text
+    rest = ",".join(part for part in parts if part != "data=auto") or "data=1"
+    per_replica = parse_mesh(rest).devices_per_replica
+    if num_devices is None:
+        data = 1
+    elif num_devices % per_replica or num_devices < per_replica:
+        raise MeshError(
+            f"Mesh {text!r} fills the devices with replicas of pipe x tensor = {per_replica} "
+            f"devices, but the run has {num_devices}; make pipe x tensor divide the device "
+            "count, or give data a number."
+        )
+    else:
+        data = num_devices // per_replica
+    return ",".join(f"data={data}" if part == "data=auto" else part for part in parts)

@@ -13,6 +13,7 @@ from tfmulti.platform.cluster import (
     resolve_cluster_if_described,
 )
 from tfmulti.platform.connected_cluster import connect_to_workers
+from tfmulti.platform.mesh import HybridMesh, parse_mesh, resolve_data_axis
 from tfmulti.strategies.base import BuildContext, TrainingStrategy, check_batch_splits
 from tfmulti.strategies.model_source import ModelSource
 from tfmulti.strategies.pipeline import (
@@ -34,6 +35,7 @@ class Hybrid(TrainingStrategy):
 
     def __init__(self):
         self._pipe_crosses_hosts = False
+        self._cluster = None
 
     def resolve_cluster(self, config: TrainConfig) -> ClusterInfo | None:
         cluster = resolve_cluster_if_described(
@@ -42,6 +44,7 @@ class Hybrid(TrainingStrategy):
         # Kept for `chief_drives_workers` and `feeds_worker_rows`, which the run reads
         # without its config, after this call.
         self._pipe_crosses_hosts = _pipe_crosses_hosts(config, cluster)
+        self._cluster = cluster
         return cluster
 
     @property
@@ -71,17 +74,29 @@ class Hybrid(TrainingStrategy):
         )
 
     def data_replicas(self, config: TrainConfig, strategy: tf.distribute.Strategy) -> int:
-        from tfmulti.platform.mesh import parse_mesh
+        return self.mesh(config).data
 
-        return parse_mesh(config.distribution.mesh).data
+    def mesh(self, config: TrainConfig) -> HybridMesh:
+        """`--mesh`, with `data=auto` filled by the replicas the run's devices hold: every
+        worker's (an elastic job's mesh follows the workers it has)."""
+        from tfmulti.hybrid.build import local_device_names
+        from tfmulti.platform.devices import logical_device_names
+
+        text = config.distribution.mesh
+        if resolve_data_axis(text, None) == text:
+            return parse_mesh(text)
+        if self._cluster is None or self._pipe_crosses_hosts:
+            num_devices = len(logical_device_names())
+        else:
+            num_devices = len(local_device_names(self._cluster)) * self._cluster.num_workers
+        return parse_mesh(resolve_data_axis(text, num_devices))
 
     def build(self, source: ModelSource, config: TrainConfig, context: BuildContext) -> keras.Model:
         """A `HybridPipelineModel` over fresh copies of the model's blocks, or of the
         user's whole model."""
         from tfmulti.hybrid import build_hybrid_model, build_hybrid_model_from_model
-        from tfmulti.platform.mesh import parse_mesh
 
-        mesh = parse_mesh(config.distribution.mesh)
+        mesh = self.mesh(config)
         schedule = configured_schedule(config, pipe=mesh.pipe)
         rows_per_step = mesh.data * config.pipeline.microbatches
         check_batch_splits(
