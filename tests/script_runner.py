@@ -192,3 +192,20 @@ def assert_split_recorded(result, metrics: dict, num_stages: int) -> dict:
         result.stderr
     )
     return split
+
+
+def worker_pid(model_dir: str, rank: int) -> int | None:
+    """The pid of launched worker `rank`'s training process whose command line names
+    `model_dir` (its TF_CONFIG says its index)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                command = handle.read().decode(errors="replace")
+            with open(f"/proc/{pid}/environ", "rb") as handle:
+                environ = handle.read().decode(errors="replace")
+        except OSError:
+            continue
+        if f"--model_dir={model_dir}" in command and "train.py" in command:
+            if f'"index": {rank}' in environ:
+                return int(pid)
+    return None

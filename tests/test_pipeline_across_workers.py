@@ -24,6 +24,7 @@ from script_runner import (
     run_script,
     start_launched_training,
     use_deep_mlp_module,
+    worker_pid,
 )
 
 from tfmulti.platform.devices import worker_device_name
@@ -129,21 +130,6 @@ def test_stages_that_do_not_split_over_the_workers_are_one_line(tmp_path):
     ) in output
     assert "Received: 3 devices, workers with [2, 2]" in output
     assert not (model_dir / "metrics.json").exists()
-
-
-def worker_pid(model_dir: str, rank: int) -> int | None:
-    """The pid of the training process of `rank` whose command line names `model_dir`."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as handle:
-                command = handle.read().decode(errors="replace")
-            with open(f"/proc/{pid}/environ", "rb") as handle:
-                environ = handle.read().decode(errors="replace")
-        except OSError:
-            continue
-        if f"--model_dir={model_dir}" in command and f'"index": {rank}' in environ:
-            return int(pid)
-    return None
 
 
 def signal_once_checkpointed(launcher, model_dir: str, ranks, global_step: int, signum) -> None:

@@ -24,6 +24,7 @@ from script_runner import (
     read_metrics,
     run_script,
     start_launched_training,
+    worker_pid,
 )
 
 
@@ -243,22 +244,6 @@ def test_a_one_host_strategy_launched_on_two_workers_is_one_line(tmp_path):
     assert not (model_dir / "metrics.json").exists()
 
 
-def _worker_pid(model_dir: str, rank: int) -> int | None:
-    """The pid of the training process of `rank` whose command line names `model_dir`."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as handle:
-                command = handle.read().decode(errors="replace")
-            with open(f"/proc/{pid}/environ", "rb") as handle:
-                environ = handle.read().decode(errors="replace")
-        except OSError:
-            continue
-        if f"--model_dir={model_dir}" in command and "train.py" in command:
-            if f'"index": {rank}' in environ:
-                return int(pid)
-    return None
-
-
 def _signal_worker_once_checkpointed(
     launcher: subprocess.Popen, model_dir: str, global_step: int, signum: int
 ) -> int:
@@ -267,7 +252,7 @@ def _signal_worker_once_checkpointed(
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and launcher.poll() is None:
         if os.path.exists(checkpoint):
-            pid = _worker_pid(model_dir, rank=1)
+            pid = worker_pid(model_dir, rank=1)
             if pid is not None:
                 os.kill(pid, signum)
                 return pid
