@@ -1,8 +1,9 @@
 """A stand-in training worker for elastic launcher tests (no TensorFlow).
 
-Writes `<attempt>-<slot>` into --run_dir with its group's size, prints its slot, fails
-(exit 3) when its slot is in --fail_slots, else runs until --stop_file exists. On SIGTERM
-it acts as a preempted worker that saved a checkpoint: exit 42.
+Writes `<attempt>-<slot>` into --run_dir with its group's size and prints its slot. When
+its slot is in --fail_slots it fails (exit 3) once every worker of its attempt has
+started, else it runs until --stop_file exists. On SIGTERM it acts as a preempted worker
+that saved a checkpoint: exit 42.
 """
 
 import argparse
@@ -27,7 +28,14 @@ with open(os.path.join(args.run_dir, f"{attempt}-{slot}"), "w") as handle:
     handle.write(f"{num_workers} {os.environ['TFMULTI_MEMBERSHIP']}")
 print(f"slot {slot} of {num_workers}", flush=True)
 if slot in args.fail_slots.split(","):
-    time.sleep(0.2)
+    # Fail only once every worker of this attempt has started (written its file), so the
+    # test sees the whole group however slowly the processes start under load.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        started = [name for name in os.listdir(args.run_dir) if name.startswith(f"{attempt}-")]
+        if len(started) >= num_workers:
+            break
+        time.sleep(0.02)
     sys.exit(3)
 while args.stop_file and not os.path.exists(args.stop_file):
     time.sleep(0.05)
