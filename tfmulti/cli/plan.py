@@ -166,29 +166,19 @@ def _model_costs(machine):
     from tfmulti.planner.measure import measure_model_costs, measure_user_model_costs
 
     sizes = FLAGS.measure_batch_sizes or [max(1, FLAGS.global_batch // 8), FLAGS.global_batch]
-    if is_function_reference(FLAGS.model):
-        costs = measure_user_model_costs(
-            FLAGS.model,
-            FLAGS.dataset,
-            data_path=FLAGS.data_path,
-            model_options=dict(parse_model_option(option) for option in FLAGS.model_option),
-            batch_sizes=[int(size) for size in sizes],
-            seed=FLAGS.seed,
-            machine=machine,
-        )
-        if FLAGS.save_costs:
-            save_costs(costs, FLAGS.save_costs)
-        return costs
-    costs = measure_model_costs(
-        FLAGS.model,
-        FLAGS.dataset,
+    common = dict(
         data_path=FLAGS.data_path,
         model_options=dict(parse_model_option(option) for option in FLAGS.model_option),
         batch_sizes=[int(size) for size in sizes],
         seed=FLAGS.seed,
-        rounds=FLAGS.measure_rounds,
         machine=machine,
     )
+    if is_function_reference(FLAGS.model):
+        costs = measure_user_model_costs(FLAGS.model, FLAGS.dataset, **common)
+    else:
+        costs = measure_model_costs(
+            FLAGS.model, FLAGS.dataset, rounds=FLAGS.measure_rounds, **common
+        )
     if FLAGS.save_costs:
         save_costs(costs, FLAGS.save_costs)
     return costs

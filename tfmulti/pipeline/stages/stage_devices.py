@@ -79,21 +79,19 @@ def build_from_build_configs(
     stages: Sequence[keras.layers.Layer],
     built_stages: Sequence[keras.layers.Layer],
     stage_device_names: Sequence[str],
-) -> bool:
+) -> None:
     """Builds unbuilt copies of `built_stages` under their devices from the built layers'
     build configs (input shapes), as Keras rebuilds a model it loads, without tracing a
-    call through them; a data replica's copy of a pipeline builds this way.
-
-    Returns:
-        Whether every layer of every stage is now built; when False, the caller builds
-        the rest by calling the stages (`build_stages_on_devices`).
+    call through them; a data replica's copy of a pipeline builds this way. Layers left
+    unbuilt (no build config) are for the caller to build by calling the stages
+    (`build_stages_on_devices`).
     """
     with tf.init_scope():
         for stage, built, device in zip(stages, built_stages, stage_device_names, strict=True):
             copies = keras_internals.layers_within(stage)
             originals = keras_internals.layers_within(built)
             if len(copies) != len(originals):
-                return False
+                return
             with tf.device(device):
                 # Parents come before their layers: a parent's build may build them.
                 holders = []
@@ -107,7 +105,6 @@ def build_from_build_configs(
                         copy.build_from_config(config)
                 for holder in holders:
                     holder.built = True
-    return all(layer.built for stage in stages for layer in keras_internals.layers_within(stage))
 
 
 def owned_variables(stages: Sequence[keras.layers.Layer]) -> list[list]:
