@@ -1,6 +1,8 @@
-"""Schedules from files and lists: PyTorch's compute_only CSV in and out, per-device lists."""
+"""Schedules from files and lists: PyTorch's compute_only CSV in and out, per-device lists,
+and the text form, which writes DualPipeV's overlapped pairs as the CSV does."""
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -15,7 +17,11 @@ from tfmulti.pipeline import (
     read_schedule_csv,
     schedule_from_csv,
     schedule_from_lists,
+    schedule_from_text,
+    schedule_grid,
     schedule_to_csv,
+    schedule_to_text,
+    validate_schedule,
     write_schedule_csv,
 )
 
@@ -45,6 +51,54 @@ def test_every_built_in_schedule_written_as_csv_reads_back_equal(tmp_path):
         assert read_schedule_csv(path) == schedule
         names.add(schedule.name)
     assert names == set(SCHEDULE_NAMES)
+
+
+def test_every_built_in_schedule_written_as_text_reads_back_equal_pairs_included():
+    for schedule in _built_in_schedules():
+        assert schedule_from_text(schedule_to_text(schedule)) == schedule
+
+
+def test_text_writes_an_overlapped_pair_as_one_token_as_the_csv_does():
+    schedule = build_schedule("dualpipev", 2, 4)
+    text_rows = [
+        line.split(": ", 1)[1].split()
+        for line in schedule_to_text(schedule).splitlines()
+        if line.startswith("device ")
+    ]
+    # The CSV's cells with each action in tfmulti's spelling (0F3 -> F0.3).
+    csv_rows = [
+        re.sub(r"(\d+)([FBIW])(\d+)", r"\2\1.\3", row).split(",")
+        for row in schedule_to_csv(schedule).splitlines()
+    ]
+    assert text_rows == csv_rows
+    assert text_rows[0][7:9] == ["(F0.3;B3.1)OVERLAP_F_B", "(F3.2;B0.0)OVERLAP_F_B"]
+    assert schedule_from_lists(text_rows, name="dualpipev") == schedule
+
+
+def test_grid_shows_an_overlapped_pair_as_its_two_steps_in_brackets():
+    rows = schedule_grid(build_schedule("dualpipev", 2, 4)).splitlines()
+    assert rows[0] == "step  dev0    dev1"
+    assert rows[8:10] == ["   7  (F0.3;  (F2.2;", "   8  B3.1)   B1.0)"]
+
+
+@pytest.mark.parametrize(
+    "line, error, fragment",
+    [
+        (
+            "device 0: F0.0 (F0.1;X0.0)OVERLAP_F_B B0.1",
+            ValueError,
+            "Line 1: cannot read action 'X0.0'",
+        ),
+        (
+            "device 0: F0.0 F0.1 (B0.0;B0.1)OVERLAP_F_B",
+            ScheduleError,
+            "pair B0.0+B0.1 on device 0 must be a forward",
+        ),
+    ],
+)
+def test_a_bad_overlapped_pair_in_text_is_refused_naming_it(line, error, fragment):
+    with pytest.raises(error, match=re.escape(fragment)):
+        validate_schedule(schedule_from_text(line))
 
 
 def test_csv_cells_are_written_as_pytorch_names_them():

@@ -1,16 +1,33 @@
-"""ZB-V: two chunks per device in a V, split backward; closed forms and one-device equality."""
+"""ZB-V: two chunks per device in a V, split backward; closed forms and one-device equality.
 
+The chunked zero-bubble schedules (ZB-V, interleaved zero bubble, DualPipeV) also train to
+one device's weights with recomputation, mixed precision, uneven batches, a whole model cut
+by `PipelineModel.from_model`, on a hybrid mesh, and from `scripts/train.py`.
+"""
+
+import keras
 import numpy as np
 import pytest
+from pipeline_graph_models import regression_data, skip_model
 from pipeline_runtime_models import (
+    FEATURES,
+    OUTPUTS,
+    Chain,
     dense_stages,
     loops_in_step,
     max_weight_difference,
+    optimizer_named,
     regression_batches,
+    residual_stages,
     train_pipeline_and_chain,
 )
+from script_runner import TWO_EPOCHS, assert_same_training, read_metrics, run_script
 
+from tfmulti.hybrid import HybridPipelineModel
 from tfmulti.pipeline import CostModel, build_schedule, simulate, validate_schedule
+from tfmulti.pipeline.runtime import PipelineModel
+from tfmulti.platform.devices import logical_device_names
+from tfmulti.platform.mesh import parse_mesh
 
 
 def _simulate(name, p, m, forward, input_grad, weight_grad, chunks=None):
@@ -110,3 +127,158 @@ def test_zbv_step_runs_as_one_loop(num_devices, num_microbatches):
     )
     x, y = regression_batches(1, 32)[0]
     assert loops_in_step(pipeline, x, y) == 1
+
+
+# Two devices, two chunks each: four stages.
+CHUNKED_ZERO_BUBBLE = ["zbv", "interleaved_zb", "dualpipev"]
+
+
+def _train_both(pipeline, reference, optimizer, batches):
+    """Trains `pipeline` and the one-device `reference` (the same seeded layers) on
+    `batches`; returns the pipeline's initial weights and both models' last losses."""
+    for model in (pipeline, reference):
+        model.compile(optimizer=optimizer(), loss="mse")
+        model(batches[0][0])
+    initial = [w.copy() for w in pipeline.get_weights()]
+    for x, y in batches:
+        reference_loss = reference.train_on_batch(x, y)
+        pipeline_loss = pipeline.train_on_batch(x, y)
+    return initial, reference_loss, pipeline_loss
+
+
+def _assert_moved_to_the_same_weights(reference, trained, initial, tolerance=1e-5):
+    weights = trained.get_weights()
+    assert max(np.abs(a - b).max() for a, b in zip(initial, weights, strict=True)) > 1e-3
+    assert max_weight_difference(reference, trained) < tolerance
+
+
+@pytest.mark.parametrize(
+    "schedule, remat",
+    [("zbv", True), ("interleaved_zb", True), ("dualpipev", [True, False, True, False])],
+)
+def test_recomputation_trains_to_the_weights_of_one_device(schedule, remat):
+    # DualPipeV's device 0 pairs the forward of recomputed stage 0 with the backward of
+    # stage 3, which keeps its activations.
+    pipeline = PipelineModel(
+        residual_stages(4), logical_device_names("CPU")[:2], 4, schedule, remat=remat
+    )
+    reference = Chain(residual_stages(4))
+    initial, reference_loss, pipeline_loss = _train_both(
+        pipeline, reference, lambda: optimizer_named("adam"), regression_batches(3, 16)
+    )
+    _assert_moved_to_the_same_weights(reference, pipeline, initial)
+    np.testing.assert_allclose(pipeline_loss, reference_loss, rtol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", CHUNKED_ZERO_BUBBLE)
+@pytest.mark.parametrize("policy, tolerance", [("mixed_float16", 2e-3), ("mixed_bfloat16", 2e-2)])
+def test_mixed_precision_trains_like_one_device_mixed_precision(schedule, policy, tolerance):
+    def stages():
+        layers = dense_stages(4)
+        for layer in layers[:-1]:
+            layer.dtype_policy = keras.DTypePolicy(policy)
+        return layers
+
+    def optimizer():
+        sgd = keras.optimizers.SGD(0.1)
+        return keras.optimizers.LossScaleOptimizer(sgd) if policy == "mixed_float16" else sgd
+
+    pipeline = PipelineModel(stages(), logical_device_names("CPU")[:2], 4, schedule)
+    reference = Chain(stages())
+    initial, _, pipeline_loss = _train_both(
+        pipeline, reference, optimizer, regression_batches(2, 16)
+    )
+    assert np.isfinite(pipeline_loss)
+    assert pipeline.stages[0].compute_dtype == policy.removeprefix("mixed_")
+    _assert_moved_to_the_same_weights(reference, pipeline, initial, tolerance)
+
+
+# 100 rows in batches of 32 with 8 micro-batches (the last batch has 4 rows, so half its
+# micro-batches are empty), with sample weights and Adam, and in batches of 30 with 4
+# (8, 8, 7, 7 rows; the last batch 10), with SGD.
+@pytest.mark.parametrize("schedule", CHUNKED_ZERO_BUBBLE)
+@pytest.mark.parametrize(
+    "batch_size, num_microbatches, optimizer, weighted",
+    [(32, 8, "adam", True), (30, 4, "sgd", False)],
+)
+def test_fit_on_uneven_batches_matches_one_device_training(
+    schedule, batch_size, num_microbatches, optimizer, weighted
+):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(100, FEATURES)).astype("float32")
+    y = rng.normal(size=(100, OUTPUTS)).astype("float32")
+    weights = rng.uniform(0.0, 2.0, size=100).astype("float32") if weighted else None
+    pipeline = PipelineModel(
+        dense_stages(4), logical_device_names("CPU")[:2], num_microbatches, schedule
+    )
+    reference = Chain(dense_stages(4))
+    histories = []
+    for model in (pipeline, reference):
+        model.compile(optimizer=optimizer_named(optimizer), loss="mse")
+        model(x[:1])
+    initial = [w.copy() for w in pipeline.get_weights()]
+    for model in (pipeline, reference):
+        fitted = model.fit(
+            x, y, sample_weight=weights, batch_size=batch_size, shuffle=False, verbose=0
+        )
+        histories.append(fitted.history["loss"])
+    _assert_moved_to_the_same_weights(reference, pipeline, initial)
+    np.testing.assert_allclose(histories[0], histories[1], rtol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", CHUNKED_ZERO_BUBBLE)
+def test_a_whole_model_from_model_trains_to_the_weights_of_one_device(schedule):
+    # The stem's output skips over the cuts; in the V it comes back to the device it left.
+    reference, model = skip_model(), skip_model()
+    initial = [w.copy() for w in model.get_weights()]
+    pipeline = PipelineModel.from_model(
+        model, logical_device_names("CPU")[:2], 4, schedule, chunks=2, partition="uniform"
+    )
+    x, y = regression_data(model, 3 * 16)
+    for trained in (reference, pipeline):
+        trained.compile(optimizer=optimizer_named("adam"), loss="mse", jit_compile=False)
+    for step in range(3):
+        rows = slice(step * 16, (step + 1) * 16)
+        reference_loss = reference.train_on_batch(x[rows], y[rows])
+        pipeline_loss = pipeline.train_on_batch(x[rows], y[rows])
+    np.testing.assert_allclose(pipeline_loss, reference_loss, rtol=1e-5)
+    _assert_moved_to_the_same_weights(reference, pipeline.to_model(), initial)
+
+
+@pytest.mark.parametrize(
+    "schedule, optimizer",
+    [("zbv", "sgd"), ("zbv", "adam"), ("interleaved_zb", "sgd"), ("dualpipev", "adam")],
+)
+def test_a_data2_pipe2_mesh_trains_to_the_weights_of_one_device(schedule, optimizer):
+    mesh = parse_mesh("data=2,pipe=2")
+    devices = mesh.replica_devices(logical_device_names("CPU")[: mesh.num_devices])
+    hybrid = HybridPipelineModel(lambda: dense_stages(4), devices, 4, schedule)
+    reference = Chain(dense_stages(4))
+    initial, reference_loss, hybrid_loss = _train_both(
+        hybrid, reference, lambda: optimizer_named(optimizer), regression_batches(3, 16)
+    )
+    assert hybrid.replicas[0].schedule.name == schedule
+    _assert_moved_to_the_same_weights(reference, hybrid.replicas[0], initial)
+    for replica in hybrid.replicas[1:]:
+        for expected, actual in zip(
+            hybrid.replicas[0].get_weights(), replica.get_weights(), strict=True
+        ):
+            np.testing.assert_array_equal(actual, expected)
+    np.testing.assert_allclose(hybrid_loss, reference_loss, rtol=1e-5)
+
+
+def test_train_script_runs_zbv_to_the_losses_of_one_device(tmp_path, one_device_metrics):
+    model_dir = str(tmp_path / "run")
+    result = run_script(
+        "train.py",
+        *TWO_EPOCHS,
+        "--strategy=pipeline",
+        "--virtual_devices=2",
+        "--num_stages=2",
+        "--chunks=2",
+        "--microbatches=4",
+        "--schedule=zbv",
+        f"--model_dir={model_dir}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_training(read_metrics(model_dir), one_device_metrics)

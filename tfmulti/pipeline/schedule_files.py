@@ -28,9 +28,20 @@ from tfmulti.pipeline.validate import ScheduleError, validate_schedule
 
 _PYTORCH_ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
 _TFMULTI_ACTION = re.compile(r"^([FBIW])(\d+)\.(\d+)$")
+# An overlapped pair's cell, its two actions in either notation; the text form uses it too.
+OVERLAPPED_PAIR = re.compile(r"^\(([^;()]+);([^;()]+)\)OVERLAP_F_B$")
 # Actions as `Action.__str__` writes them inside validator messages (F0.3).
-_PYTORCH_PAIR = re.compile(r"^\(([^;()]+);([^;()]+)\)OVERLAP_F_B$")
 _ACTION_IN_MESSAGE = re.compile(r"\b([FBIW])(\d+)\.(\d+)\b")
+
+
+def overlapped_pair_name(forward: str, backward: str) -> str:
+    """An overlapped F&B pair written as one cell, as PyTorch writes it.
+
+    Example:
+        >>> overlapped_pair_name("0F3", "3B1")
+        '(0F3;3B1)OVERLAP_F_B'
+    """
+    return f"({forward};{backward})OVERLAP_F_B"
 
 
 def pytorch_action_name(action: Action) -> str:
@@ -97,7 +108,7 @@ def schedule_from_lists(
         for token in row:
             if token is None or (isinstance(token, str) and not token.strip()):
                 continue
-            pair = _PYTORCH_PAIR.match(token.strip()) if isinstance(token, str) else None
+            pair = OVERLAPPED_PAIR.match(token.strip()) if isinstance(token, str) else None
             if pair:
                 pair_starts.append(len(actions))
             for part in pair.groups() if pair else (token,):
@@ -159,7 +170,7 @@ def schedule_to_csv(schedule: Schedule) -> str:
     for device, actions in enumerate(schedule.device_actions):
         cells = [pytorch_action_name(action) for action in actions]
         for index in reversed(schedule.pair_starts(device)):
-            cells[index : index + 2] = [f"({cells[index]};{cells[index + 1]})OVERLAP_F_B"]
+            cells[index : index + 2] = [overlapped_pair_name(cells[index], cells[index + 1])]
         writer.writerow(cells)
     return out.getvalue()
 

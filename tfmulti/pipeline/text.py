@@ -9,9 +9,11 @@ Pure Python. The compact form round-trips:
     device 0: F0.0 F0.1 B0.0 B0.1
     device 1: F1.0 B1.0 F1.1 B1.1
 
-Actions are written `<kind><stage>.<micro-batch>`, kinds F, B, I, W. `name` defaults to
-"custom", `microbatches` to the largest micro-batch index + 1, and `stage_devices` to
-stage s on device s.
+Actions are written `<kind><stage>.<micro-batch>`, kinds F, B, I, W. An overlapped
+forward-and-backward pair (DualPipeV, `Schedule.overlapped_pairs`) is one token, as the
+schedule CSV writes it (`tfmulti.pipeline.schedule_files`): `(F0.3;B3.1)OVERLAP_F_B`.
+`name` defaults to "custom", `microbatches` to the largest micro-batch index + 1, and
+`stage_devices` to stage s on device s.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import re
 
 from tfmulti.pipeline.actions import Action, Schedule
 from tfmulti.pipeline.dependencies import run_in_order
+from tfmulti.pipeline.schedule_files import OVERLAPPED_PAIR, overlapped_pair_name
 
 _ACTION_PATTERN = re.compile(r"^([FBIW])(\d+)\.(\d+)$")
 _DEVICE_PATTERN = re.compile(r"^device\s+(\d+)\s*:(.*)$")
@@ -44,7 +47,10 @@ def schedule_to_text(schedule: Schedule) -> str:
         "stage_devices: " + " ".join(str(d) for d in schedule.stage_devices),
     ]
     for device, actions in enumerate(schedule.device_actions):
-        lines.append(f"device {device}: " + " ".join(str(a) for a in actions))
+        tokens = [str(action) for action in actions]
+        for index in reversed(schedule.pair_starts(device)):
+            tokens[index : index + 2] = [overlapped_pair_name(tokens[index], tokens[index + 1])]
+        lines.append(f"device {device}: " + " ".join(tokens))
     return "\n".join(lines)
 
 
@@ -60,12 +66,13 @@ def schedule_from_text(text: str) -> Schedule:
         ValueError: naming the line that cannot be read.
 
     Example:
-        >>> schedule = schedule_from_text("device 0: F0.0 B0.0")
-        >>> schedule.device_actions
-        ((F0.0, B0.0),)
+        >>> schedule = schedule_from_text("device 0: F0.0 (F0.1;B0.0)OVERLAP_F_B B0.1")
+        >>> [str(a) for a in schedule.device_actions[0]], schedule.overlapped_pairs
+        (['F0.0', 'F0.1', 'B0.0', 'B0.1'], ((1,),))
     """
     fields: dict[str, str] = {}
     device_actions: dict[int, tuple[Action, ...]] = {}
+    device_pairs: dict[int, tuple[int, ...]] = {}
     for line_number, raw_line in enumerate(text.splitlines(), start=1):
         line = raw_line.split("#", 1)[0].strip()
         if not line:
@@ -75,8 +82,8 @@ def schedule_from_text(text: str) -> Schedule:
             device = int(device_match.group(1))
             if device in device_actions:
                 raise ValueError(f"Line {line_number}: device {device} is listed twice.")
-            device_actions[device] = tuple(
-                _parse_action(token, line_number) for token in device_match.group(2).split()
+            device_actions[device], device_pairs[device] = _parse_device_tokens(
+                device_match.group(2).split(), line_number
             )
             continue
         key, separator, value = line.partition(":")
@@ -92,12 +99,15 @@ def schedule_from_text(text: str) -> Schedule:
             "Devices must be listed as 'device 0:', 'device 1:', ... without gaps. "
             f"Received devices: {sorted(device_actions)}"
         )
-    actions = [a for device in sorted(device_actions) for a in device_actions[device]]
+    devices = sorted(device_actions)
+    actions = [a for device in devices for a in device_actions[device]]
+    pairs = tuple(device_pairs[d] for d in devices)
     return Schedule(
         name=fields.get("name", "custom"),
         num_microbatches=_parse_microbatches(fields, actions),
         stage_devices=_parse_stage_devices(fields, actions),
-        device_actions=tuple(device_actions[d] for d in sorted(device_actions)),
+        device_actions=tuple(device_actions[d] for d in devices),
+        overlapped_pairs=pairs if any(pairs) else (),
     )
 
 
@@ -105,7 +115,9 @@ def schedule_grid(schedule: Schedule) -> str:
     """A step-by-device grid: one row per time step, one column per device.
 
     Every action takes one step and inputs arrive at once, so "." marks a step where a
-    device waits: the bubbles of the schedule under unit costs.
+    device waits: the bubbles of the schedule under unit costs. An overlapped pair runs
+    as the executor runs it, its forward then its backward, and its two steps read
+    `(F0.3;` and `B3.1)`, the pair as the text form writes it.
 
     Example:
         >>> from tfmulti.pipeline import build_schedule
@@ -118,10 +130,16 @@ def schedule_grid(schedule: Schedule) -> str:
     """
     records, _ = run_in_order(schedule, duration=lambda a: 1.0, transfer=lambda a, b: 0.0)
     num_steps = int(max((r.end for r in records), default=0))
+    labels = {}
+    for device, actions in enumerate(schedule.device_actions):
+        for index in schedule.pair_starts(device):
+            forward, backward = actions[index : index + 2]
+            labels[device, forward], labels[device, backward] = f"({forward};", f"{backward})"
     cells = [[_IDLE] * schedule.num_devices for _ in range(num_steps)]
     for record in records:
-        cells[int(record.start)][record.device] = str(record.action)
-    width = max([4] + [len(str(r.action)) for r in records])
+        label = labels.get((record.device, record.action), str(record.action))
+        cells[int(record.start)][record.device] = label
+    width = max([4] + [len(cell) for row in cells for cell in row])
     step_width = max(4, len(str(num_steps)))
     header = "step".rjust(step_width) + "".join(
         "  " + f"dev{d}".ljust(width) for d in range(schedule.num_devices)
@@ -133,12 +151,27 @@ def schedule_grid(schedule: Schedule) -> str:
     return "\n".join(line.rstrip() for line in [header] + rows)
 
 
+def _parse_device_tokens(
+    tokens: list[str], line_number: int
+) -> tuple[tuple[Action, ...], tuple[int, ...]]:
+    """A device line's actions, and the positions where its overlapped pairs start."""
+    actions, pair_starts = [], []
+    for token in tokens:
+        pair = OVERLAPPED_PAIR.match(token)
+        if pair:
+            pair_starts.append(len(actions))
+        for part in pair.groups() if pair else (token,):
+            actions.append(_parse_action(part, line_number))
+    return tuple(actions), tuple(pair_starts)
+
+
 def _parse_action(token: str, line_number: int) -> Action:
     match = _ACTION_PATTERN.match(token)
     if not match:
         raise ValueError(
             f"Line {line_number}: cannot read action {token!r}; write <kind><stage>.<micro-batch>"
-            " with kind F, B, I or W, e.g. F0.3."
+            " with kind F, B, I or W, e.g. F0.3, or an overlapped pair as"
+            " (F0.3;B3.1)OVERLAP_F_B."
         )
     return Action(match.group(1), int(match.group(2)), int(match.group(3)))
 
