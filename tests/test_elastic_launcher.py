@@ -8,7 +8,13 @@ import time
 
 import pytest
 
-from tfmulti.platform.membership import Change, Membership, WorkerRange, discovered_slots
+from tfmulti.platform.membership import (
+    Change,
+    DataReplicas,
+    Membership,
+    WorkerRange,
+    discovered_slots,
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(REPO_ROOT, "scripts", "launch.py")
@@ -83,6 +89,115 @@ def test_a_grow_that_does_not_split_the_global_batch_is_refused_once_and_the_siz
     assert refusal == "3 workers x 1 replicas do not split --batch_size=4 evenly; keeping 2 workers"
     assert membership.offer(["a", "b", "c"]) is None
     assert membership.slots == ("a", "b")
+
+
+@pytest.mark.parametrize(
+    "replicas, expected",
+    [
+        (DataReplicas(), [1, 2, 3, 4]),
+        (DataReplicas(devices_per_worker=2), [2, 4, 6, 8]),
+        # The data axis: each worker's devices over pipe x tensor.
+        (DataReplicas(2, "data=auto,pipe=2"), [1, 2, 3, 4]),
+        (DataReplicas(4, "data=auto,pipe=2"), [2, 4, 6, 8]),
+        (DataReplicas(8, "data=auto,pipe=2,tensor=2"), [2, 4, 6, 8]),
+        (DataReplicas(4, "pipe=2,data=auto"), [2, 4, 6, 8]),
+        # A fixed data axis fits one worker count only.
+        (DataReplicas(2, "data=2,pipe=2"), [0, 2, 0, 0]),
+        (DataReplicas(4, "data=4,pipe=2"), [0, 4, 0, 0]),
+        # Whole replicas on each worker, or none.
+        (DataReplicas(3, "data=auto,pipe=2"), [0, 0, 0, 0]),
+        # The pipe axis across workers: replicas over all the workers' devices.
+        (DataReplicas(1, "data=auto,pipe=2", "pipe"), [0, 1, 0, 2]),
+        (DataReplicas(2, "data=2,pipe=2", "pipe"), [0, 2, 0, 0]),
+        # Unknown devices, or a mesh the training refuses by itself: not judged.
+        (DataReplicas(None, "data=auto,pipe=2"), [None] * 4),
+        (DataReplicas(2, "data=2,pipes=2"), [None] * 4),
+        (DataReplicas(2, ""), [None] * 4),
+    ],
+)
+def test_data_replicas_are_devices_or_the_hybrid_meshs_data_axis(replicas, expected):
+    assert [replicas.count(workers) for workers in (1, 2, 3, 4)] == expected
+
+
+def test_a_hybrid_size_is_judged_by_its_data_replicas_not_its_devices():
+    # 2 workers x 2 devices hold data=2,pipe=2: 6 rows split over 2 replicas, not 4.
+    membership = Membership(
+        WorkerRange(1, 3),
+        ["a", "b"],
+        global_batch_size=6,
+        replicas=DataReplicas(2, "data=auto,pipe=2"),
+    )
+    assert membership.shortfall() is None
+    assert membership.offer(["a", "b", "c"]) == Change(("a", "b", "c"), joined=("c",))
+    assert membership.offer(["a"]) == Change(("a",), left=("b", "c"))
+
+
+def test_a_hybrid_grow_that_does_not_split_the_batch_names_the_data_replicas():
+    membership = Membership(
+        WorkerRange(1, 3),
+        ["a", "b"],
+        global_batch_size=4,
+        replicas=DataReplicas(2, "data=auto,pipe=2"),
+    )
+    assert membership.offer(["a", "b", "c"]) == (
+        "3 workers x 2 devices hold 3 data replicas of --mesh=data=auto,pipe=2, which do not "
+        "split --batch_size=4 evenly; keeping 2 workers"
+    )
+    assert membership.slots == ("a", "b")
+
+
+def test_an_uneven_split_says_which_batch_sizes_would_work():
+    membership = Membership(WorkerRange(3, 3), ["a", "b", "c"], global_batch_size=4)
+    assert membership.shortfall() == (
+        "3 workers x 1 replicas do not split --batch_size=4 evenly; "
+        "give --batch_size a multiple of 3, e.g. 6"
+    )
+
+
+@pytest.mark.parametrize(
+    "replicas, fix",
+    [
+        (
+            DataReplicas(2, "data=2,pipe=2"),
+            "give the mesh data=auto, so that it follows the workers",
+        ),
+        (
+            DataReplicas(3, "data=auto,pipe=2"),
+            "give each worker a multiple of pipe x tensor = 2 devices (--devices_per_worker)",
+        ),
+        (
+            DataReplicas(1, "data=auto,pipe=2", "pipe"),
+            "give the workers together a multiple of pipe x tensor = 2 devices",
+        ),
+    ],
+)
+def test_workers_that_cannot_hold_the_mesh_are_refused_with_the_fix(replicas, fix):
+    membership = Membership(WorkerRange(3, 3), ["a", "b", "c"], replicas=replicas)
+    mesh = replicas.mesh
+    devices = replicas.devices_per_worker
+    assert (
+        membership.shortfall() == f"3 workers x {devices} devices cannot hold --mesh={mesh}; {fix}"
+    )
+
+
+def test_a_fixed_hybrid_mesh_does_not_shrink_to_a_size_it_cannot_fill():
+    membership = Membership(
+        WorkerRange(1, 2),
+        ["a", "b"],
+        max_failures_per_slot=0,
+        replicas=DataReplicas(2, "data=2,pipe=2"),
+    )
+    assert membership.record_failure("b") == Change(("a",), left=("b",))
+    assert membership.shortfall().startswith("1 workers x 2 devices cannot hold --mesh=data=2")
+
+
+def test_a_starting_list_too_large_for_the_batch_starts_on_the_largest_size_that_splits_it():
+    membership = Membership(WorkerRange(1, 3), ["a", "b", "c"], global_batch_size=4)
+    assert membership.settle() == (
+        "3 workers x 1 replicas do not split --batch_size=4 evenly; starting 2 workers"
+    )
+    assert membership.slots == ("a", "b")
+    assert membership.offer(["a", "b", "c"]) is None  # said once
 
 
 def test_a_dropped_slot_returns_only_after_leaving_the_list():

@@ -201,6 +201,80 @@ def test_bad_flag_gives_one_line_naming_the_flag(flags, named):
     assert "Traceback" not in result.stderr
 
 
+def run_printing_worker(launch_flags, worker_flags):
+    """The launcher over a worker that prints and exits; `worker_flags` are for the launcher
+    to read (the worker ignores them)."""
+    command = [
+        sys.executable,
+        LAUNCH,
+        *launch_flags,
+        "--",
+        sys.executable,
+        "-c",
+        "print('ran')",
+        *worker_flags,
+    ]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+
+def test_a_hybrid_batch_is_checked_against_the_data_axis_not_the_devices():
+    # 2 workers x 2 devices hold data=2,pipe=2: 6 rows split over its 2 replicas.
+    result = run_printing_worker(
+        ["--num_workers=2", "--devices_per_worker=2"],
+        ["--strategy=hybrid", "--mesh=data=auto,pipe=2", "--batch_size=6"],
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("ran") == 2
+
+
+@pytest.mark.parametrize(
+    "launch_flags, worker_flags, line",
+    [
+        (
+            ["--num_workers=3", "--devices_per_worker=2"],
+            ["--strategy=hybrid", "--mesh", "data=auto,pipe=2", "--batch_size=4"],
+            "launch: 3 workers x 2 devices hold 3 data replicas of --mesh=data=auto,pipe=2, "
+            "which do not split --batch_size=4 evenly; give --batch_size a multiple of 3, e.g. 6",
+        ),
+        (
+            ["--num_workers=1", "--devices_per_worker=8"],
+            ["--strategy=hybrid", "--mesh=data=auto,pipe=2,tensor=2", "--batch_size=5"],
+            "launch: 1 workers x 8 devices hold 2 data replicas of "
+            "--mesh=data=auto,pipe=2,tensor=2, which do not split --batch_size=5 evenly; "
+            "give --batch_size a multiple of 2, e.g. 6",
+        ),
+        (
+            ["--num_workers=3", "--devices_per_worker=2"],
+            ["--strategy=hybrid", "--mesh=data=2,pipe=2", "--batch_size=4"],
+            "launch: 3 workers x 2 devices cannot hold --mesh=data=2,pipe=2; give the mesh "
+            "data=auto, so that it follows the workers",
+        ),
+        (
+            ["--num_workers=3"],
+            ["--strategy=multi_worker", "--batch_size=4"],
+            "launch: 3 workers x 1 replicas do not split --batch_size=4 evenly; "
+            "give --batch_size a multiple of 3, e.g. 6",
+        ),
+    ],
+    ids=["hybrid data axis", "hybrid with tensor", "fixed mesh", "multi_worker"],
+)
+def test_an_uneven_split_is_refused_in_one_line_naming_the_fix(launch_flags, worker_flags, line):
+    result = run_printing_worker(launch_flags, worker_flags)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [line]
+    assert "ran" not in result.stdout
+
+
+def test_an_elastic_start_too_large_for_the_batch_starts_on_a_size_that_splits_it():
+    result = run_printing_worker(["--num_workers=2:3"], ["--batch_size=4"])
+    assert result.returncode == 0, result.stderr
+    assert (
+        "launch: 3 workers x 1 replicas do not split --batch_size=4 evenly; starting 2 workers"
+        in result.stderr
+    )
+    assert result.stdout.count("ran") == 2
+
+
 def test_missing_worker_command_gives_one_line():
     result = subprocess.run(
         [sys.executable, LAUNCH, "--num_workers=2"], capture_output=True, text=True, timeout=60

@@ -5,6 +5,8 @@ Usage:
         -- python scripts/train.py --strategy=multi_worker --model_dir=/tmp/run
     tfmulti-launch --num_workers=2:3 --max_restarts_per_worker=1 --hosts_file=slots.txt \
         -- python scripts/train.py --strategy=multi_worker --batch_size=24 --model_dir=/tmp/run
+    tfmulti-launch --num_workers=2:4 --max_restarts_per_worker=1 --slots_from=slurm \
+        -- python scripts/train.py --strategy=multi_worker --batch_size=24 --model_dir=/tmp/run
 """
 
 import functools
@@ -13,6 +15,7 @@ import sys
 from absl import app, flags
 
 from tfmulti.flags.parsing import parse_flags_or_exit
+from tfmulti.names import HYBRID_STRATEGY_NAME
 from tfmulti.platform import launcher, membership, network_isolation
 
 FLAGS = flags.FLAGS
@@ -41,10 +44,26 @@ flags.DEFINE_string(
     "Elastic jobs, instead of --hosts_file: a shell command that prints the worker slots, "
     "one a line, run again while the job runs (as Horovod's host-discovery script).",
 )
+flags.DEFINE_enum(
+    "slots_from",
+    None,
+    launcher.SLOT_ORIGINS,
+    "Elastic jobs, instead of --hosts_file: slurm: the worker slots are the tasks of this "
+    "SLURM job's allocation (SLURM_JOB_NODELIST, SLURM_TASKS_PER_NODE), read at the start; "
+    "it must be this machine's (one node). Never implied: without it, a launch inside an "
+    "allocation runs slot0 ... as anywhere else.",
+)
 flags.register_multi_flags_validator(
     ["hosts_file", "discovery_command"],
     lambda values: not (values["hosts_file"] and values["discovery_command"]),
     "--hosts_file and --discovery_command both give the slot list; keep one of them.",
+)
+flags.register_multi_flags_validator(
+    ["slots_from", "hosts_file", "discovery_command"],
+    lambda values: (
+        not (values["slots_from"] and (values["hosts_file"] or values["discovery_command"]))
+    ),
+    "--slots_from gives the slot list, as --hosts_file and --discovery_command do; keep one.",
 )
 flags.DEFINE_float(
     "rendezvous_timeout",
@@ -98,6 +117,8 @@ def _launch(argv: list[str]) -> None:
             "launch.py --num_workers=2 -- python scripts/train.py --strategy=multi_worker\n"
         )
         sys.exit(2)
+    batch_size = _worker_flag(command, "batch_size") or ""
+    hybrid = _worker_flag(command, "strategy") == HYBRID_STRATEGY_NAME
     sys.exit(
         launcher.launch(
             command,
@@ -109,21 +130,26 @@ def _launch(argv: list[str]) -> None:
             max_restarts_per_worker=FLAGS.max_restarts_per_worker,
             hosts_file=FLAGS.hosts_file,
             discovery_command=FLAGS.discovery_command,
-            global_batch_size=_batch_size_of(command),
+            global_batch_size=int(batch_size) if batch_size.isdigit() else None,
             rendezvous_timeout=FLAGS.rendezvous_timeout,
+            slots_from=FLAGS.slots_from,
+            # A hybrid command without --mesh is refused by train.py itself.
+            mesh=(_worker_flag(command, "mesh") or "") if hybrid else None,
+            cross_host_axis=_worker_flag(command, "cross_host_axis") or "data",
         )
     )
 
 
-def _batch_size_of(command: list[str]) -> int | None:
-    """The global batch the worker command asks for (`--batch_size`, as scripts/train.py
-    takes it), so the launcher refuses worker counts that do not split it."""
+def _worker_flag(command: list[str], name: str) -> str | None:
+    """The value the worker command gives flag `name` (`--name=value` or `--name value`,
+    as scripts/train.py takes it), so the launcher refuses worker counts whose data
+    replicas do not split the global batch; the last one counts, as in absl."""
+    found = None
     for index, argument in enumerate(command):
-        name, equals, value = argument.partition("=")
-        if name in ("--batch_size", "-batch_size"):
-            value = value if equals else (command[index + 1 : index + 2] or [""])[0]
-            return int(value) if value.isdigit() else None
-    return None
+        flag, equals, value = argument.partition("=")
+        if flag in (f"--{name}", f"-{name}"):
+            found = value if equals else (command[index + 1 : index + 2] or [""])[0]
+    return found
 
 
 def main() -> None:

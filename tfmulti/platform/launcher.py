@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from tfmulti.names import PREEMPTED_EXIT_CODE, RESTART_COUNT_VARIABLE
@@ -29,6 +29,7 @@ from tfmulti.platform.membership import (
     MEMBERSHIP_VARIABLE,
     SLOT_VARIABLE,
     Change,
+    DataReplicas,
     Membership,
     SlotListWatcher,
     WorkerRange,
@@ -40,9 +41,12 @@ from tfmulti.platform.network_isolation import (
     IsolationUnavailable,
     PrivateNetwork,
 )
+from tfmulti.platform.slurm_nodes import allocation_slots, host_of, is_this_machine
 from tfmulti.platform.worker_group import WorkerGroup
 
 VIRTUAL_DEVICES_ENV = "TFMULTI_VIRTUAL_DEVICES"
+# Where an elastic launch's slots come from, besides a file or a command.
+SLOT_ORIGINS = ("slurm",)
 
 
 class LaunchError(ValueError):
@@ -140,6 +144,9 @@ def launch(
     discovery_command: str | None = None,
     global_batch_size: int | None = None,
     rendezvous_timeout: float = 60.0,
+    slots_from: str | None = None,
+    mesh: str | None = None,
+    cross_host_axis: str = "data",
 ) -> int:
     """Runs `command` as `num_workers` local workers and returns the exit status (0: success).
 
@@ -166,10 +173,16 @@ def launch(
             agreed step) and restarts it on the new slots.
         discovery_command: instead of `hosts_file`: a shell command printing the slots,
             one a line, run again every half second (Horovod's host-discovery script).
-        global_batch_size: the training's global batch, if known: sizes whose
-            replicas (workers x `devices_per_worker`) do not split it are refused.
+        global_batch_size: the training's global batch, if known: sizes whose data
+            replicas do not split it are refused: workers x `devices_per_worker`, or
+            with `mesh` its data axis (see `DataReplicas`).
         rendezvous_timeout: with a slot list, how long to wait for MIN slots before
             giving up.
+        slots_from: "slurm": the slots are the tasks of the SLURM job's allocation
+            (`slurm_nodes.allocation_slots`), read once; an allocation naming another
+            host than this one is refused, as the workers all start here.
+        mesh, cross_host_axis: the worker command's hybrid `--mesh` and
+            `--cross_host_axis`, whose data axis is what splits the global batch.
 
     Example:
         >>> launch(["python", "train.py", "--strategy=multi_worker"], num_workers=2)
@@ -191,6 +204,26 @@ def launch(
             f"Received: {isolation!r}\n"
         )
         return 2
+    try:
+        list_slots = slot_source(hosts_file, discovery_command)
+        offered = _starting_slots(workers, list_slots, slots_from)
+    except ValueError as error:
+        messages.write(f"launch: {error}\n")
+        return 2
+    membership = Membership(
+        workers,
+        offered,
+        max_restarts_per_worker,
+        global_batch_size,
+        DataReplicas(devices_per_worker, mesh, cross_host_axis),
+    )
+    settled = membership.settle()
+    if settled:
+        messages.write(f"launch: {settled}\n")
+    misfit = len(membership.slots) >= workers.minimum and membership.misfit(len(membership.slots))
+    if misfit:
+        messages.write(f"launch: {'; '.join(misfit)}\n")
+        return 2
     network, exposed_because = _private_network(isolation)
     if network is None and isolation == "namespace":
         messages.write(
@@ -210,18 +243,6 @@ def launch(
     previous_handlers = {
         signum: signal.signal(signum, request_stop) for signum in (signal.SIGINT, signal.SIGTERM)
     }
-    try:
-        list_slots = slot_source(hosts_file, discovery_command)
-    except ValueError as error:
-        messages.write(f"launch: {error}\n")
-        return 2
-    membership = Membership(
-        workers,
-        list_slots() if list_slots else [f"slot{i}" for i in range(workers.maximum)],
-        max_restarts_per_worker,
-        global_batch_size,
-        replicas_per_worker=devices_per_worker or 1,
-    )
     watcher = SlotListWatcher(
         membership, list_slots, should_stop, lambda line: messages.write(f"launch: {line}\n")
     )
@@ -295,6 +316,41 @@ def launch(
         shutil.rmtree(scratch_root, ignore_errors=True)
         if network is not None:
             network.close()
+
+
+def _starting_slots(
+    workers: WorkerRange, list_slots: Callable[[], list[str]] | None, slots_from: str | None
+) -> list[str]:
+    """The slots a launch starts on: listed, the SLURM allocation's, or slot0 ... slotMAX-1.
+
+    Raises:
+        ValueError: two sources of slots, or an allocation this launcher cannot start.
+    """
+    if slots_from is None:
+        return list_slots() if list_slots else [f"slot{i}" for i in range(workers.maximum)]
+    if slots_from not in SLOT_ORIGINS:
+        raise ValueError(
+            f"slots_from must be one of {', '.join(SLOT_ORIGINS)}. Received: {slots_from!r}"
+        )
+    if list_slots is not None:
+        raise ValueError(
+            "Give the slot list as --slots_from=slurm, a file or a discovery command, not two."
+        )
+    slots = allocation_slots()
+    elsewhere = [host for host in dict.fromkeys(map(host_of, slots)) if not is_this_machine(host)]
+    if elsewhere:
+        raise ValueError(
+            f"the SLURM allocation names hosts other than this one ({', '.join(elsewhere)}), "
+            "and the launcher starts every worker here: ask for one node (sbatch -N1 "
+            "--ntasks-per-node=N), or run train.py in every task with srun for a multi-node job"
+        )
+    if len(slots) < workers.minimum:
+        raise ValueError(
+            f"the SLURM allocation gives {len(slots)} slot(s) ({', '.join(slots)}), fewer than "
+            f"--num_workers={workers} needs: ask for one task per worker (sbatch -N1 "
+            f"--ntasks-per-node={workers.maximum})"
+        )
+    return slots
 
 
 def _private_network(isolation: str) -> tuple[PrivateNetwork | None, str]:

@@ -1,7 +1,8 @@
 """Which worker slots an elastic launch runs on, and when that changes.
 
 A slot is a place a worker runs: a line of `--hosts_file` or of what
-`--discovery_command` prints, or for a plain local launch `slot0` ... `slot{MAX-1}`.
+`--discovery_command` prints, a task of the SLURM allocation (`--slots_from=slurm`,
+`slurm_nodes.py`), or for a plain local launch `slot0` ... `slot{MAX-1}`.
 The launcher asks `Membership` after every failure and every new listing; a change stops
 the group on the preemption path (or finds it stopped by the failure) and restarts it on
 the new slots, which resume from the last step checkpoint. No TensorFlow is imported here.
@@ -13,6 +14,8 @@ import dataclasses
 import subprocess
 import time
 from collections.abc import Callable
+
+from tfmulti.platform.mesh import MeshError, parse_mesh, resolve_data_axis
 
 # Set on every launched worker: JSON {"slots", "left", "joined"} of its group.
 MEMBERSHIP_VARIABLE = "TFMULTI_MEMBERSHIP"
@@ -104,11 +107,74 @@ def _slot_lines(text: str) -> list[str]:
     return list(dict.fromkeys(line for line in lines if line))
 
 
-def batch_fits(global_batch_size: int | None, num_workers: int, replicas_per_worker: int) -> bool:
-    """Whether `num_workers` workers split the global batch evenly (True when unknown)."""
-    if global_batch_size is None:
-        return True
-    return global_batch_size % (num_workers * replicas_per_worker) == 0
+@dataclasses.dataclass(frozen=True)
+class DataReplicas:
+    """The data replicas a group of workers splits the global batch over.
+
+    Each device of a worker is a replica, except under a hybrid mesh
+    (`--strategy=hybrid --mesh=data=D,pipe=P[,tensor=K]`), where a replica spans P x K
+    devices: there are D replicas, or with `data=auto` as many as the workers' devices hold.
+
+    Args:
+        devices_per_worker: each worker's devices (`--devices_per_worker`); None when not
+            given: then each worker counts one replica, and a mesh is not checked.
+        mesh: the hybrid mesh as `--mesh` gives it; None for other strategies.
+        cross_host_axis: the mesh axis laid across the workers, "data" or "pipe".
+
+    Example:
+        >>> DataReplicas(devices_per_worker=2, mesh="data=auto,pipe=2").count(3)
+        3
+    """
+
+    devices_per_worker: int | None = None
+    mesh: str | None = None
+    cross_host_axis: str = "data"
+
+    def count(self, num_workers: int) -> int | None:
+        """The data replicas of `num_workers` workers: 0 when their devices cannot hold
+        the mesh, None when unknown (no devices per worker, or a mesh the training refuses
+        by itself)."""
+        if self.mesh is None:
+            return num_workers * (self.devices_per_worker or 1)
+        if self.devices_per_worker is None or self.devices_per_replica is None:
+            return None
+        devices = num_workers * self.devices_per_worker
+        try:
+            mesh = parse_mesh(resolve_data_axis(self.mesh, devices))
+            if self.cross_host_axis == "data":
+                mesh.check_fits(self.devices_per_worker, num_workers)
+            elif mesh.num_devices != devices:
+                return 0
+        except MeshError:
+            return 0
+        return mesh.data
+
+    @property
+    def devices_per_replica(self) -> int | None:
+        """pipe x tensor of the mesh (1 without one; None for a malformed mesh)."""
+        if self.mesh is None:
+            return 1
+        try:
+            return parse_mesh(resolve_data_axis(self.mesh, None)).devices_per_replica
+        except MeshError:
+            return None
+
+    def mesh_fix(self) -> str:
+        """What makes the workers hold the mesh, where `count` gives 0."""
+        per_replica = self.devices_per_replica
+        if self.cross_host_axis == "data" and self.devices_per_worker % per_replica:
+            return (
+                f"give each worker a multiple of pipe x tensor = {per_replica} devices "
+                "(--devices_per_worker)"
+            )
+        if "data=auto" not in self.mesh.replace(" ", ""):
+            return "give the mesh data=auto, so that it follows the workers"
+        return f"give the workers together a multiple of pipe x tensor = {per_replica} devices"
+
+    def describe(self, num_workers: int) -> str:
+        if self.mesh is None:
+            return f"{num_workers} workers x {self.devices_per_worker or 1} replicas"
+        return f"{num_workers} workers x {self.devices_per_worker} devices"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +199,9 @@ class Membership:
         slots: the slots offered at the start (the first `workers.maximum` are used).
         max_failures_per_slot: a slot whose worker fails more often than this is
             dropped (None: never); it returns only after leaving the list and coming back.
-        global_batch_size, replicas_per_worker: a size that does not split the global
-            batch evenly is refused (the slots stay as they are).
+        global_batch_size: the training's global batch; a size whose data replicas
+            (`replicas`) do not split it evenly is refused (the slots stay as they are).
+        replicas: how many data replicas each worker count trains with.
 
     Example:
         >>> membership = Membership(WorkerRange(2, 3), ["a", "b", "c"], max_failures_per_slot=1)
@@ -148,19 +215,50 @@ class Membership:
         slots: list[str],
         max_failures_per_slot: int | None = None,
         global_batch_size: int | None = None,
-        replicas_per_worker: int = 1,
+        replicas: DataReplicas | None = None,
     ):
         self.workers = workers
         self.max_failures_per_slot = max_failures_per_slot
         self.global_batch_size = global_batch_size
-        self.replicas_per_worker = replicas_per_worker
+        self.replicas = replicas or DataReplicas()
         self.slots = tuple(slots[: workers.maximum])
         self.failures: dict[str, int] = {}
         self.dropped: set[str] = set()
         self.refused: tuple[str, ...] | None = None
 
     def fits(self, num_workers: int) -> bool:
-        return batch_fits(self.global_batch_size, num_workers, self.replicas_per_worker)
+        return self.misfit(num_workers) is None
+
+    def misfit(self, num_workers: int) -> tuple[str, str] | None:
+        """Why `num_workers` workers cannot train the global batch, and what would fix it;
+        None when they can (or when that is not known)."""
+        replicas = self.replicas.count(num_workers)
+        workers = self.replicas.describe(num_workers)
+        mesh = self.replicas.mesh
+        if replicas == 0:
+            return f"{workers} cannot hold --mesh={mesh}", self.replicas.mesh_fix()
+        batch = self.global_batch_size
+        if replicas is None or batch is None or batch % replicas == 0:
+            return None
+        held = "" if mesh is None else f" hold {replicas} data replicas of --mesh={mesh}, which"
+        larger = (batch // replicas + 1) * replicas
+        return (
+            f"{workers}{held} do not split --batch_size={batch} evenly",
+            f"give --batch_size a multiple of {replicas}, e.g. {larger}",
+        )
+
+    def settle(self) -> str | None:
+        """Narrows the starting slots to the largest count of at least MIN whose replicas
+        split the global batch; returns the one line saying so (None: they stay)."""
+        if len(self.slots) < self.workers.minimum or self.fits(len(self.slots)):
+            return None
+        fitting = self._largest_fitting(self.slots)
+        if fitting is None:
+            return None
+        problem, _ = self.misfit(len(self.slots))
+        # The same listing offered again is then refused without a second line.
+        self.refused, self.slots = self.slots, fitting
+        return f"{problem}; starting {len(fitting)} workers"
 
     def record_failure(self, slot: str) -> Change | None:
         """Counts a failure of `slot`'s worker; returns the change when it drops the slot."""
@@ -189,10 +287,7 @@ class Membership:
             if self.refused == wanted:
                 return None
             self.refused = wanted
-            return (
-                f"{len(wanted)} workers x {self.replicas_per_worker} replicas do not split "
-                f"--batch_size={self.global_batch_size} evenly; keeping {len(self.slots)} workers"
-            )
+            return f"{self.misfit(len(wanted))[0]}; keeping {len(self.slots)} workers"
         return self._apply(fitting or wanted)
 
     def _largest_fitting(self, slots: tuple[str, ...]) -> tuple[str, ...] | None:
@@ -218,12 +313,8 @@ class Membership:
                 f"{len(self.slots)} worker slot(s) left ({', '.join(self.slots) or 'none'}), "
                 f"fewer than --num_workers={self.workers} needs"
             )
-        if not self.fits(len(self.slots)):
-            return (
-                f"{len(self.slots)} workers x {self.replicas_per_worker} replicas do not split "
-                f"--batch_size={self.global_batch_size} evenly"
-            )
-        return None
+        misfit = self.misfit(len(self.slots))
+        return "; ".join(misfit) if misfit else None
 
 
 class SlotListWatcher:
