@@ -46,6 +46,7 @@ def test_hybrid_script_across_two_workers_trains_like_one_device_with_chief_only
         *TWO_EPOCHS,
         "--strategy=hybrid",
         "--mesh=data=2,pipe=2",
+        "--cross_host_axis=data",  # each worker trains its own replica
         "--microbatches=2",
         "--schedule=zb_h1",
         "--collective_timeout=120",
@@ -133,6 +134,7 @@ def test_data_pipe_tensor_mesh_across_two_workers_trains_like_one_device(
         *TRANSFORMER,
         "--strategy=hybrid",
         "--mesh=data=2,pipe=2,tensor=2",
+        "--cross_host_axis=data",
         "--microbatches=2",
         "--collective_timeout=120",
         f"--tensor_reduce={reduction}",

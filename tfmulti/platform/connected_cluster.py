@@ -6,7 +6,9 @@ which the other workers' devices are its own logical devices
 one program, and TensorFlow's runtime moves the tensors between hosts. Every other worker
 only starts a `tf.distribute.Server` with its logical devices and serves until the chief
 has gone. This is how a pipeline puts its stages on different workers, and a hybrid mesh its pipe
-axis (`mesh_groups_across_workers`).
+axis (`mesh_groups_across_workers`). On connecting, the chief refuses a worker started with
+other flags or another cluster than its own, and while it trains it takes a serving
+worker's SIGTERM as its own (`cluster_agreement`).
 
 Example:
     >>> cluster = resolve_cluster()
@@ -22,29 +24,51 @@ import re
 import signal
 import socket
 import time
+from collections.abc import Mapping
 
 from absl import logging
 
 from tfmulti.platform import cluster as cluster_lib
 from tfmulti.platform.cluster import ClusterError, ClusterInfo
+from tfmulti.platform.cluster_agreement import (
+    WorkerNotices,
+    agreed_settings,
+    command_line_settings,
+    disagreement_message,
+)
 from tfmulti.platform.mesh import HybridMesh
 
 _POLL_SECONDS = 0.5
+# Each look for a serving worker's SIGTERM is a remote operation on every worker.
+_SIGTERM_CHECK_SECONDS = 1.0
+# The workers the chief drives, once connected (TensorFlow's connection is process-wide
+# too): (rank, CPU device, notices).
+_serving_workers: list[tuple[int, str, WorkerNotices]] = []
+_next_sigterm_check = 0.0
 
 
-def connect_to_workers(cluster: ClusterInfo, connect_timeout_seconds: float | None = None) -> None:
+def connect_to_workers(
+    cluster: ClusterInfo,
+    connect_timeout_seconds: float | None = None,
+    settings: Mapping[str, str] | None = None,
+) -> None:
     """Makes every worker's devices logical devices of this process (the chief).
 
     Call before any other TensorFlow work (logical devices may be configured first). The
-    call returns once every worker serves.
+    call returns once every worker serves and agrees with this process on the cluster
+    and `settings`.
 
     Args:
         cluster: from `resolve_cluster`; this process must be its chief.
         connect_timeout_seconds: if set and the workers have not all joined by then, one
             line naming the unreachable ones goes to stderr and the process is killed.
+        settings: what every worker must hold alike; default: the flags this process
+            was started with (`command_line_settings`).
 
     Raises:
-        ClusterError: this process is not the chief, or TensorFlow already started.
+        ClusterError: this process is not the chief, TensorFlow already started, or a
+            worker disagrees (the message names the worker and each setting it differs
+            on); the workers stop serving once this process has exited.
     """
     if not cluster.is_chief:
         raise ClusterError(
@@ -74,26 +98,86 @@ def connect_to_workers(cluster: ClusterInfo, connect_timeout_seconds: float | No
         if watchdog is not None:
             watchdog.stdin.close()  # tells the watchdog to stand down
             watchdog.wait()
+    _refuse_disagreeing_workers(cluster, command_line_settings() if settings is None else settings)
 
 
-def serve_chief(cluster: ClusterInfo, connect_timeout_seconds: float | None = None) -> None:
+def serve_chief(
+    cluster: ClusterInfo,
+    connect_timeout_seconds: float | None = None,
+    settings: Mapping[str, str] | None = None,
+) -> None:
     """Lends this worker's logical devices to the chief until the chief has gone.
 
-    Starts a `tf.distribute.Server` at this worker's address in `cluster` with as many
-    logical CPU devices as this process was configured with (`configure_logical_devices`),
-    then waits: first for the chief to listen, then for it to stop listening. Once the
-    chief listens, SIGTERM is ignored: the chief saves on it, and needs this worker to.
+    Posts the cluster as this worker sees it and `settings` for the chief to check, starts
+    a `tf.distribute.Server` at this worker's address in `cluster` with as many logical
+    CPU devices as this process was configured with (`configure_logical_devices`), then
+    waits: first for the chief to listen, then for it to stop listening. Once the chief
+    listens, SIGTERM does not end this worker: it tells the chief, which saves a step
+    checkpoint (reading this worker's variables) and stops the group.
 
     Args:
         cluster: from `resolve_cluster`; this process must not be its chief.
         connect_timeout_seconds: seconds to wait for the chief to listen; None waits
             forever.
+        settings: what every worker must hold alike; default: the flags this process
+            was started with (`command_line_settings`).
 
     Raises:
         ClusterError: this process is the chief, or the chief never listened.
     """
     if cluster.is_chief:
         raise ClusterError("The chief connects to the workers (connect_to_workers), not serves.")
+    notices = WorkerNotices(cluster.worker_addresses[cluster.task_index])
+    notices.post_settings(
+        agreed_settings(cluster, command_line_settings() if settings is None else settings)
+    )
+    try:
+        _serve_until_the_chief_has_gone(cluster, connect_timeout_seconds, notices)
+    finally:
+        notices.remove()
+
+
+def serving_worker_got_sigterm() -> int | None:
+    """The rank of a worker the chief drives that got SIGTERM, else None.
+
+    On the chief after `connect_to_workers`, it looks at most once a second; elsewhere
+    it returns None at once.
+    """
+    global _next_sigterm_check
+    if not _serving_workers or time.monotonic() < _next_sigterm_check:
+        return None
+    _next_sigterm_check = time.monotonic() + _SIGTERM_CHECK_SECONDS
+    return next(
+        (rank for rank, device, notices in _serving_workers if notices.got_sigterm(device)), None
+    )
+
+
+def _refuse_disagreeing_workers(cluster: ClusterInfo, settings: Mapping[str, str]) -> None:
+    """Reads every serving worker's posted settings on its host; raises on the first
+    worker that differs from this process (the chief)."""
+    chief = agreed_settings(cluster, settings)
+    tasks = _tasks_in_rank_order(cluster)
+    _serving_workers.clear()
+    for rank in range(1, cluster.num_workers):
+        job, task = tasks[rank]
+        device = f"/job:{job}/replica:0/task:{task}/device:CPU:0"
+        notices = WorkerNotices(cluster.worker_addresses[rank])
+        worker = notices.read_settings(device)
+        if worker is None:
+            logging.warning(
+                "Worker %d posted no settings at %s on its host (its TMPDIR may differ from "
+                "the chief's), so its flags are not checked against the chief's.",
+                rank,
+                notices.settings_path,
+            )
+        elif message := disagreement_message(rank, chief, worker):
+            raise ClusterError(message)
+        _serving_workers.append((rank, device, notices))
+
+
+def _serve_until_the_chief_has_gone(
+    cluster: ClusterInfo, connect_timeout_seconds: float | None, notices: WorkerNotices
+) -> None:
     import tensorflow as tf
 
     job, task = cluster.task()
@@ -116,9 +200,9 @@ def serve_chief(cluster: ClusterInfo, connect_timeout_seconds: float | None = No
             )
         time.sleep(_POLL_SECONDS)
     # A SIGTERM (preemption, or the launcher stopping the group) is the chief's to act on:
-    # it saves a step checkpoint, which reads this worker's variables, so this worker
-    # serves on until the chief has gone.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # told by the notice, it saves a step checkpoint, which reads this worker's
+    # variables, so this worker serves on until the chief has gone.
+    signal.signal(signal.SIGTERM, lambda signum, frame: notices.post_sigterm())
     while _listens(chief):
         time.sleep(_POLL_SECONDS)
 

@@ -8,7 +8,9 @@ a restarted run resumes at that exact step like any other, and `exit_fn` raises
 `Preempted`, which the scripts turn into `PREEMPTED_EXIT_CODE`: the code the launcher
 (and Borg-style cluster managers, as TensorFlow's own default) read as "restart me".
 On one process (one device, mirrored, pipeline, placed, hybrid on one host) the same
-handler works locally, with no agreement to make.
+handler works locally, with no agreement to make. When the chief drives other workers'
+devices (`connected_cluster`), a SIGTERM to one of those workers reaches the chief as a
+notice, and the chief saves and exits as on its own.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import tempfile
 
 import keras
 import tensorflow as tf
+from absl import logging
 
 from tfmulti.errors import Preempted
+from tfmulti.platform.connected_cluster import serving_worker_got_sigterm
 from tfmulti.run.step_checkpoint import StepCheckpoint
 
 
@@ -50,6 +54,7 @@ class SaveOnPreemption(keras.callbacks.Callback):
         self._scratch = None
         self._saved: tuple[int, int, str] | None = None
         self._ends_with_epoch = False
+        self._worker_got_sigterm = False
 
     def on_train_begin(self, logs=None):
         self._previous_sigterm = signal.getsignal(signal.SIGTERM)
@@ -65,6 +70,12 @@ class SaveOnPreemption(keras.callbacks.Callback):
         )
 
     def on_train_batch_end(self, batch, logs=None):
+        rank = None if self._worker_got_sigterm else serving_worker_got_sigterm()
+        if rank is not None:
+            self._worker_got_sigterm = True
+            logging.warning("Worker %d got SIGTERM: saving a step checkpoint to stop at.", rank)
+            # The handler catches this process's SIGTERM: the same save at the same step.
+            signal.raise_signal(signal.SIGTERM)
         self._handler.save_checkpoint_if_preempted()
 
     def on_epoch_end(self, epoch, logs=None):
