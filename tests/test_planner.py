@@ -108,7 +108,8 @@ def test_top_layout_is_the_fastest_of_an_exhaustive_enumeration():
     best_time = min(time for time, _ in outcomes.values())
     top = search_layouts(costs, 4, GLOBAL_BATCH, HARDWARE, max_microbatches=GLOBAL_BATCH)[0]
     assert top.step_time == pytest.approx(best_time, rel=1e-9)
-    assert outcomes[top.key][0] == pytest.approx(top.step_time, rel=1e-9)
+    # One host: the key's first five fields (its last two name hosts and the axis across).
+    assert outcomes[top.key[:5]][0] == pytest.approx(top.step_time, rel=1e-9)
 
 
 def test_top_layout_under_a_memory_cap_is_the_fastest_that_fits():

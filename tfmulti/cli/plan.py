@@ -7,6 +7,7 @@ device, and the `scripts/train.py` flags that run each.
 
 Examples:
   tfmulti-plan --model=transformer --model_option=num_layers=6 --devices=8
+  tfmulti-plan --hosts=2 --devices_per_host=4 --inter_host_gbps=25   # prints launch commands
   tfmulti-plan --devices=4 --memory_per_device=2MiB --save_costs=/tmp/costs.json
   tfmulti-plan --costs=/tmp/costs.json --devices=8 --json
   tfmulti-plan --devices=2 --allow_fewer_devices --validate=4   # run them, compare
@@ -19,6 +20,8 @@ in --cost_cache (--machine_costs=none: devices independent, links of --bandwidth
 a tensor-split block computes 1/K of its per-example work plus two output all-reduces per
 pass; memory is parameter state (--bytes_per_param per parameter) plus the block outputs
 kept for the backward. Each predicted time carries the ± its measurements' spread gives.
+Over --hosts hosts, one mesh axis (data or pipe) crosses them and each layout is scored
+for each axis that can; what crosses pays --inter_host_gbps and --inter_host_latency_us.
 """
 
 import json
@@ -33,11 +36,11 @@ from tfmulti.flags.console_flags import define_console_flags
 from tfmulti.flags.parsing import run_script
 from tfmulti.flags.training_flags import define_data_flags, parse_model_option
 from tfmulti.planner import Hardware, load_costs, save_costs, search_layouts
-from tfmulti.planner.accuracy import accuracy
 from tfmulti.planner.report import (
     format_layouts,
+    format_validation,
     layout_json,
-    layout_row,
+    validation_accuracy,
 )
 from tfmulti.planner.train_flags import train_flags
 from tfmulti.planner.validation import (
@@ -45,7 +48,6 @@ from tfmulti.planner.validation import (
     distinct_layouts,
     measure_layouts,
 )
-from tfmulti.text_table import format_table
 from tfmulti.user_code import is_function_reference
 
 FLAGS = flags.FLAGS
@@ -59,8 +61,48 @@ define_data_flags()
 define_console_flags()
 FLAGS.set_default("model", "transformer")
 FLAGS.set_default("dataset", "tokens")
-flags.DEFINE_integer("devices", 8, "Devices to lay the model out on.", lower_bound=1)
-flags.DEFINE_bool("allow_fewer_devices", False, "Also consider meshes over a divisor of --devices.")
+DEFAULT_DEVICES = 8
+flags.DEFINE_integer(
+    "devices",
+    None,
+    f"Devices of one host to lay the model out on (default {DEFAULT_DEVICES}); over several "
+    "hosts give --hosts and --devices_per_host.",
+    lower_bound=1,
+)
+flags.DEFINE_integer(
+    "hosts",
+    1,
+    "Hosts to lay the model out over, each a worker of scripts/launch.py; needs "
+    "--devices_per_host when above 1.",
+    lower_bound=1,
+)
+flags.DEFINE_integer(
+    "devices_per_host", None, "Devices on each host (--hosts x this = all devices).", 1
+)
+flags.DEFINE_float(
+    "inter_host_gbps",
+    10.0,
+    "Bandwidth between two hosts in gigabits per second, as network links are rated "
+    "(10: 10 Gb Ethernet); stage transfers and gradient sums that cross hosts use it.",
+)
+flags.register_validator(
+    "inter_host_gbps",
+    lambda value: value > 0,
+    message="--inter_host_gbps must be > 0 gigabits per second, e.g. 10",
+)
+flags.DEFINE_float(
+    "inter_host_latency_us",
+    100.0,
+    "Microseconds each message between hosts waits beyond its bytes (100: TensorFlow's "
+    "gRPC runtime over a LAN).",
+    lower_bound=0.0,
+)
+flags.DEFINE_bool(
+    "allow_fewer_devices",
+    False,
+    "Also consider meshes over a divisor of the devices (over several hosts: on whole hosts "
+    "or inside one).",
+)
 flags.DEFINE_integer("global_batch", 64, "Examples per step over all replicas.", lower_bound=1)
 flags.DEFINE_string(
     "memory_per_device", None, "Largest bytes a device may hold, e.g. 16GiB, 512MiB, 1e9."
@@ -74,7 +116,7 @@ flags.register_validator(
 flags.DEFINE_float(
     "bandwidth",
     10e9,
-    "Bytes per second between two devices (all-reduce, transfers).",
+    "Bytes per second between two devices of one host (all-reduce, transfers).",
     lower_bound=1.0,
 )
 flags.DEFINE_float(
@@ -130,6 +172,34 @@ flags.DEFINE_integer(
 flags.DEFINE_string("validate_dir", None, "Where --validate runs write (default: a temp dir).")
 
 
+def _device_counts_agree(values: dict) -> bool:
+    """--devices for one host, or --hosts x --devices_per_host; refuses a contradiction."""
+    devices, hosts, per_host = values["devices"], values["hosts"], values["devices_per_host"]
+    if hosts > 1 and per_host is None:
+        raise flags.ValidationError(
+            f"--hosts={hosts} needs --devices_per_host (devices on each host), e.g. "
+            f"--hosts={hosts} --devices_per_host=4. Received: --devices_per_host unset"
+        )
+    if devices is not None and per_host is not None and devices != hosts * per_host:
+        raise flags.ValidationError(
+            f"--devices={devices} contradicts --hosts={hosts} x --devices_per_host={per_host} "
+            f"= {hosts * per_host} devices; give --devices for one host, or --hosts and "
+            "--devices_per_host"
+        )
+    return True
+
+
+flags.register_multi_flags_validator(["devices", "hosts", "devices_per_host"], _device_counts_agree)
+
+
+def _devices_per_host() -> int:
+    return FLAGS.devices_per_host or FLAGS.devices or DEFAULT_DEVICES
+
+
+def _total_devices() -> int:
+    return FLAGS.hosts * _devices_per_host()
+
+
 def _parse_bytes(text: str) -> float | None:
     match = _BYTES.match(text)
     if not match or match.group(2).upper() not in _BYTE_UNITS:
@@ -138,13 +208,13 @@ def _parse_bytes(text: str) -> float | None:
 
 
 def _start_tensorflow() -> None:
-    """Starts TensorFlow with --devices logical devices (two at least, for the benchmarks)."""
+    """Starts TensorFlow with one host's logical devices (two at least, for the benchmarks)."""
     from tfmulti.platform.tf_startup import start_tensorflow
 
     start_tensorflow(FLAGS.tf_log_level)
     from tfmulti.platform.devices import configure_logical_devices
 
-    configure_logical_devices(max(FLAGS.devices, 2))
+    configure_logical_devices(max(_devices_per_host(), 2))
 
 
 def _machine_costs():
@@ -155,7 +225,7 @@ def _machine_costs():
     from tfmulti.planner.machine_benchmarks import machine_costs
     from tfmulti.platform.devices import logical_device_names
 
-    devices = logical_device_names()[: max(FLAGS.devices, 2)]
+    devices = logical_device_names()[: max(_devices_per_host(), 2)]
     return machine_costs(devices, CostCache(FLAGS.cost_cache), FLAGS.remeasure_machine)
 
 
@@ -208,43 +278,14 @@ def _layouts_to_validate(layouts, costs):
     return chosen
 
 
-def _validation_accuracy(measurements):
-    """MAPE, Kendall tau and best gap over the layouts that ran, or None if none did."""
-    ran = [m for m in measurements if m.measured_step_time is not None]
-    if not ran:
-        return None
-    return accuracy([m.layout.step_time for m in ran], [m.measured_step_time for m in ran])
-
-
-def _validation_table(measurements) -> str:
-    rows = []
-    for rank, measurement in enumerate(measurements, 1):
-        predicted = layout_row(rank, measurement.layout)
-        measured = measurement.measured_step_time
-        rows.append(
-            (
-                *predicted[:7],
-                f"{1000 * measured:.2f}" if measured is not None else "failed",
-                f"{measured / measurement.layout.step_time:.2f}" if measured else "-",
-            )
-        )
-    columns = (
-        "#",
-        "mesh",
-        "schedule",
-        "m",
-        "v",
-        "split",
-        "predicted ms",
-        "measured ms",
-        "measured/predicted",
+def _devices_description() -> str:
+    """'8 devices', or '2 hosts x 4 devices (10 Gbit/s, 100 us between hosts)'."""
+    if FLAGS.hosts == 1:
+        return f"{_total_devices()} devices"
+    return (
+        f"{FLAGS.hosts} hosts x {_devices_per_host()} devices ({FLAGS.inter_host_gbps:g} "
+        f"Gbit/s, {FLAGS.inter_host_latency_us:g} us between hosts)"
     )
-    failures = [
-        f"{rank}: {m.error}" for rank, m in enumerate(measurements, 1) if m.error is not None
-    ]
-    figures = _validation_accuracy(measurements)
-    summary = [f"\n{figures.summary()}"] if figures else []
-    return "\n".join([format_table(rows, columns), *failures, *summary])
 
 
 def _plan(argv: list[str]) -> None:
@@ -259,19 +300,22 @@ def _plan(argv: list[str]) -> None:
         if FLAGS.memory_per_device
         else None,
         machine=machine,
+        inter_host_bandwidth=FLAGS.inter_host_gbps * 1e9 / 8,
+        inter_host_latency=FLAGS.inter_host_latency_us * 1e-6,
     )
     layouts = search_layouts(
         costs,
-        FLAGS.devices,
+        _total_devices(),
         FLAGS.global_batch,
         hardware,
         allow_fewer_devices=FLAGS.allow_fewer_devices,
         max_microbatches=FLAGS.max_microbatches,
         max_chunks=FLAGS.max_chunks,
+        hosts=FLAGS.hosts,
     )
     if not layouts:
         raise ValueError(
-            f"No layout of {FLAGS.devices} devices fits memory_per_device="
+            f"No layout of {_devices_description()} fits memory_per_device="
             f"{FLAGS.memory_per_device} with global_batch={FLAGS.global_batch}; raise "
             "--memory_per_device or --devices, or lower --global_batch."
         )
@@ -289,12 +333,16 @@ def _plan(argv: list[str]) -> None:
             repeats=FLAGS.validate_repeats,
         )
     if FLAGS.json:
-        figures = _validation_accuracy(measurements)
+        figures = validation_accuracy(measurements)
         output = {
             "model": costs.model,
             "model_options": costs.model_options,
             "dataset": costs.dataset,
-            "devices": FLAGS.devices,
+            "devices": _total_devices(),
+            "hosts": FLAGS.hosts,
+            "devices_per_host": _devices_per_host(),
+            "inter_host_bandwidth": hardware.inter_host_bandwidth,
+            "inter_host_latency": hardware.inter_host_latency,
             "global_batch": FLAGS.global_batch,
             "layouts_considered": len(layouts),
             "layouts": [layout_json(layout, costs, FLAGS.global_batch) for layout in best],
@@ -317,7 +365,7 @@ def _plan(argv: list[str]) -> None:
         print()
         return
     print(
-        f"{costs.model} on {FLAGS.devices} devices, global batch {FLAGS.global_batch}: "
+        f"{costs.model} on {_devices_description()}, global batch {FLAGS.global_batch}: "
         f"best {len(best)} of {len(layouts)} layouts (mesh = data x pipe x tensor)\n"
     )
     print(format_layouts(best, costs, FLAGS.global_batch))
@@ -326,7 +374,7 @@ def _plan(argv: list[str]) -> None:
             "\nPredicted against measured step time "
             "(scripts/train.py, median step after the first epoch):\n"
         )
-        print(_validation_table(measurements))
+        print(format_validation(measurements))
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from tfmulti.planner.costs import (
     ring_allreduce_seconds,
     save_costs,
 )
+from tfmulti.planner.hosts import cross_host_axes
 from tfmulti.planner.machine import MachineCosts
 from tfmulti.planner.scoring import Layout, score_layout
 from tfmulti.planner.search import meshes, search_layouts
@@ -30,6 +31,7 @@ __all__ = [
     "ModelCosts",
     "accuracy",
     "blocks_at",
+    "cross_host_axes",
     "load_costs",
     "meshes",
     "ring_allreduce_seconds",

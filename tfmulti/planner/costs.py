@@ -183,7 +183,8 @@ class Hardware:
     """Assumptions about the devices.
 
     Args:
-        bandwidth: bytes per second between any two devices (all-reduce, stage transfers).
+        bandwidth: bytes per second between any two devices of one host (all-reduce,
+            stage transfers).
         bytes_per_param: parameter-state bytes per parameter on its device: weight,
             gradient and optimizer slots (16 for float32 Adam: weight, gradient, m, v).
         memory_per_device: bytes a device may hold, or None for no limit.
@@ -193,6 +194,10 @@ class Hardware:
         machine: the framework's measured per-step costs and the devices' measured
             overlap and all-reduce (`MachineCosts`); when given, its all-reduce replaces
             `bandwidth` and its serial fraction replaces `shared_compute`.
+        inter_host_bandwidth: bytes per second of the link between two hosts (default
+            10 Gbit/s Ethernet); transfers and all-reduces that cross hosts use it.
+        inter_host_latency: seconds each message between hosts waits beyond its bytes
+            (default 100 us: TensorFlow's gRPC runtime over a LAN).
     """
 
     bandwidth: float = 10e9
@@ -200,10 +205,19 @@ class Hardware:
     memory_per_device: float | None = None
     shared_compute: bool = False
     machine: MachineCosts | None = None
+    inter_host_bandwidth: float = 1.25e9
+    inter_host_latency: float = 1e-4
 
     def __post_init__(self):
-        if self.bandwidth <= 0:
-            raise ValueError(f"bandwidth must be > 0 bytes/s. Received: {self.bandwidth}")
+        if self.bandwidth <= 0 or self.inter_host_bandwidth <= 0:
+            raise ValueError(
+                "Bandwidths must be > 0 bytes/s. Received: "
+                f"bandwidth={self.bandwidth}, inter_host_bandwidth={self.inter_host_bandwidth}"
+            )
+        if self.inter_host_latency < 0:
+            raise ValueError(
+                f"inter_host_latency must be >= 0 s. Received: {self.inter_host_latency}"
+            )
 
 
 def ring_allreduce_seconds(num_bytes: float, group_size: int, bandwidth: float) -> float:

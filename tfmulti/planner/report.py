@@ -1,15 +1,20 @@
-"""Layouts as a text table and as JSON, with the `scripts/train.py` command of each."""
+"""Layouts as a text table and as JSON, with the command that trains each: `scripts/train.py`,
+started by `scripts/launch.py` over several hosts; and how their predictions measured."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tfmulti.planner.accuracy import Accuracy, accuracy
 from tfmulti.planner.costs import ModelCosts
 from tfmulti.planner.scoring import Layout
-from tfmulti.planner.train_flags import command_line, train_flags
+from tfmulti.planner.train_flags import command_line, launch_flags, train_flags
+from tfmulti.planner.validation import Measurement
 from tfmulti.text_table import format_table
 
 _COLUMNS = ("#", "mesh", "schedule", "m", "v", "split", "step ms", "bubble", "peak MiB/dev")
+# Over several hosts: the hosts a layout runs on and the mesh axis across them.
+_HOST_COLUMN = "hosts"
 
 
 def format_bytes_mib(num_bytes: float) -> str:
@@ -39,12 +44,29 @@ def layout_row(rank: int, layout: Layout) -> tuple[str, ...]:
     )
 
 
+def hosts_cell(layout: Layout) -> str:
+    """'2 pipe': the hosts a layout runs on and the axis across them; '1' on one host."""
+    if layout.hosts == 1:
+        return "1"
+    return f"{layout.hosts} {layout.cross_host_axis}"
+
+
+def layout_command(layout: Layout, costs: ModelCosts, global_batch: int) -> str:
+    """The shell command that trains `layout`."""
+    return command_line(train_flags(layout, costs, global_batch), launch_flags(layout))
+
+
 def format_layouts(layouts: Sequence[Layout], costs: ModelCosts, global_batch: int) -> str:
-    """The table of `layouts` (mesh is data x pipe x tensor), then each one's command."""
+    """The table of `layouts` (mesh is data x pipe x tensor; over several hosts, a column
+    of the hosts each uses and the axis across them), then each one's command."""
     rows = [layout_row(rank, layout) for rank, layout in enumerate(layouts, 1)]
-    table = format_table(rows, _COLUMNS)
+    columns = _COLUMNS
+    if any(layout.hosts > 1 for layout in layouts):
+        rows = [(*row, hosts_cell(layout)) for row, layout in zip(rows, layouts, strict=True)]
+        columns = (*columns, _HOST_COLUMN)
+    table = format_table(rows, columns)
     commands = [
-        f"{rank}: {command_line(train_flags(layout, costs, global_batch))}"
+        f"{rank}: {layout_command(layout, costs, global_batch)}"
         for rank, layout in enumerate(layouts, 1)
     ]
     return "\n".join([table, "", *commands])
@@ -65,5 +87,52 @@ def layout_json(layout: Layout, costs: ModelCosts, global_batch: int) -> dict:
         "overhead_time": layout.overhead_time,
         "bubble_fraction": layout.bubble_fraction,
         "peak_memory_bytes": layout.peak_memory,
+        "hosts": layout.hosts,
+        "cross_host_axis": layout.cross_host_axis,
         "train_flags": train_flags(layout, costs, global_batch),
+        "launch_flags": launch_flags(layout),
+        "command": layout_command(layout, costs, global_batch),
     }
+
+
+def validation_accuracy(measurements: Sequence[Measurement]) -> Accuracy | None:
+    """MAPE, Kendall tau and best gap over the layouts that ran, or None if none did."""
+    ran = [m for m in measurements if m.measured_step_time is not None]
+    if not ran:
+        return None
+    return accuracy([m.layout.step_time for m in ran], [m.measured_step_time for m in ran])
+
+
+def format_validation(measurements: Sequence[Measurement]) -> str:
+    """Predicted against measured step time per layout, failures, then the three figures."""
+    rows = []
+    for rank, measurement in enumerate(measurements, 1):
+        predicted = layout_row(rank, measurement.layout)
+        measured = measurement.measured_step_time
+        rows.append(
+            (
+                *predicted[:7],
+                f"{1000 * measured:.2f}" if measured is not None else "failed",
+                f"{measured / measurement.layout.step_time:.2f}" if measured else "-",
+            )
+        )
+    columns = (
+        "#",
+        "mesh",
+        "schedule",
+        "m",
+        "v",
+        "split",
+        "predicted ms",
+        "measured ms",
+        "measured/predicted",
+    )
+    if any(m.layout.hosts > 1 for m in measurements):
+        rows = [(*row, hosts_cell(m.layout)) for row, m in zip(rows, measurements, strict=True)]
+        columns = (*columns, "hosts")
+    failures = [
+        f"{rank}: {m.error}" for rank, m in enumerate(measurements, 1) if m.error is not None
+    ]
+    figures = validation_accuracy(measurements)
+    summary = [f"\n{figures.summary()}"] if figures else []
+    return "\n".join([format_table(rows, columns), *failures, *summary])

@@ -10,6 +10,10 @@ serial fraction). With `MachineCosts`, the framework's own cost is added: a step
 cost, each replica's dispatch, and the pipeline executor's cost per action and per loop
 round. Peak memory per device is the parameter state of its stages plus its peak live
 activation bytes from the simulator.
+
+Over several hosts (`tfmulti.planner.hosts`), one mesh axis crosses them: stage transfers
+between hosts and gradient sums over hosts pay the inter-host link, each host's devices
+share only that host's processor, and each process dispatches only the replicas it runs.
 """
 
 from __future__ import annotations
@@ -23,7 +27,13 @@ from tfmulti.pipeline.balance import Block
 from tfmulti.pipeline.round_loop import loop_schedule
 from tfmulti.pipeline.schedules import build_schedule
 from tfmulti.pipeline.simulate import CostModel, StageCost, simulate
-from tfmulti.planner.costs import GRADIENT_BYTES_PER_PARAM, Hardware, allreduce_seconds
+from tfmulti.planner.costs import GRADIENT_BYTES_PER_PARAM, Hardware
+from tfmulti.planner.hosts import (
+    check_cross_host_axis,
+    gradient_allreduce_seconds,
+    makespan_across_hosts,
+    pipe_device_hosts,
+)
 from tfmulti.platform.mesh import HybridMesh
 
 # The schedule a one-device "pipeline" runs: one forward, one backward.
@@ -48,6 +58,8 @@ class Layout:
         peak_memory: bytes on the fullest device.
         overhead_time: the framework's measured per-step cost (0 without `MachineCosts`).
         uncertainty: the ± seconds the prediction carries from its measurements' spread.
+        hosts: hosts the mesh is laid over (each a launched worker).
+        cross_host_axis: the mesh axis across the hosts, "data" or "pipe"; None on one host.
     """
 
     mesh: HybridMesh
@@ -62,11 +74,21 @@ class Layout:
     peak_memory: float
     overhead_time: float = 0.0
     uncertainty: float = 0.0
+    hosts: int = 1
+    cross_host_axis: str | None = None
 
     @property
     def key(self) -> tuple:
         """What identifies the layout apart from its predictions."""
-        return (self.mesh, self.schedule, self.num_microbatches, self.chunks, self.boundaries)
+        return (
+            self.mesh,
+            self.schedule,
+            self.num_microbatches,
+            self.chunks,
+            self.boundaries,
+            self.hosts,
+            self.cross_host_axis,
+        )
 
 
 def score_layout(
@@ -79,6 +101,9 @@ def score_layout(
     hardware: Hardware,
     num_variables: int = 0,
     relative_spread: float = 0.0,
+    *,
+    hosts: int = 1,
+    cross_host_axis: str | None = None,
 ) -> Layout:
     """Simulates one layout.
 
@@ -93,6 +118,9 @@ def score_layout(
         hardware: bandwidth and bytes per parameter, and the machine's measured costs.
         num_variables: the model's trainable variables (each replica updates each).
         relative_spread: the block timings' relative spread, for the uncertainty.
+        hosts: hosts the mesh is laid over, an equal share of its devices on each.
+        cross_host_axis: with hosts > 1, the axis across them: one of
+            `tfmulti.planner.hosts.cross_host_axes(mesh, hosts)`.
 
     Returns:
         The scored `Layout`.
@@ -102,6 +130,7 @@ def score_layout(
         >>> score_layout(blocks, HybridMesh(pipe=2), "1f1b", 4, 1, (1,), Hardware()).pipeline_time
         15.0
     """
+    check_cross_host_axis(mesh, hosts, cross_host_axis)
     num_stages = mesh.pipe * chunks
     if len(boundaries) != num_stages - 1:
         raise ValueError(
@@ -127,13 +156,23 @@ def score_layout(
         for stage in stage_blocks
     )
     sent_bytes = max((stage[-1].activation_bytes for stage in stage_blocks[:-1]), default=0.0)
-    result = simulate(plan, CostModel(stage_costs, sent_bytes / hardware.bandwidth))
+    cost_model = CostModel(stage_costs, sent_bytes / hardware.bandwidth)
+    result = simulate(plan, cost_model)
+    pipeline_time, bubble_fraction = result.makespan, result.bubble_fraction
+    if cross_host_axis == "pipe":
+        pipeline_time = makespan_across_hosts(
+            plan,
+            cost_model,
+            pipe_device_hosts(mesh.pipe, hosts, cross_host_axis),
+            hardware.inter_host_latency + sent_bytes / hardware.inter_host_bandwidth,
+        )
+        bubble_fraction = 1.0 - sum(result.busy_time) / (pipeline_time * mesh.pipe)
 
     device_params = [0.0] * mesh.pipe
     for stage, device in zip(stage_blocks, plan.stage_devices, strict=True):
         device_params[device] += sum(block.params for block in stage)
-    allreduce_time = allreduce_seconds(
-        max(device_params) * GRADIENT_BYTES_PER_PARAM, mesh.data, hardware
+    allreduce_time = gradient_allreduce_seconds(
+        max(device_params) * GRADIENT_BYTES_PER_PARAM, mesh, hosts, cross_host_axis, hardware
     )
     device_memory = [0.0] * mesh.pipe
     for stage, device in zip(stage_blocks, plan.stage_devices, strict=True):
@@ -141,18 +180,21 @@ def score_layout(
     peak_memory = max(
         held + live for held, live in zip(device_memory, result.peak_activation_bytes, strict=True)
     )
-    pipeline_time = result.makespan
-    summed_busy = sum(result.busy_time) * mesh.data * mesh.tensor
+    # Each host's devices share that host's processor only.
+    summed_busy = sum(result.busy_time) * mesh.data * mesh.tensor / hosts
+    # With the data axis across, each worker's process runs its own replicas; with the pipe
+    # axis across, the chief drives every replica.
+    dispatched_replicas = mesh.data // hosts if cross_host_axis == "data" else mesh.data
     machine = hardware.machine
     overhead_time = 0.0
     if machine is not None:
         pipeline_time = machine.shared_compute(pipeline_time, summed_busy)
         overhead_time = machine.step_seconds(num_variables) + machine.replica_seconds(
-            mesh.data, num_variables // mesh.pipe
+            dispatched_replicas, num_variables // mesh.pipe
         )
         if mesh.pipe > 1:
-            actions, rounds = executed_actions(plan)
-            overhead_time += machine.pipeline_fixed + mesh.data * (
+            actions, rounds = executed_actions(plan, rolled=cross_host_axis != "pipe")
+            overhead_time += machine.pipeline_fixed + dispatched_replicas * (
                 machine.per_action * actions + machine.per_round * rounds
             )
     elif hardware.shared_compute:
@@ -168,23 +210,26 @@ def score_layout(
         step_time=step_time,
         pipeline_time=pipeline_time,
         allreduce_time=allreduce_time,
-        bubble_fraction=result.bubble_fraction,
+        bubble_fraction=bubble_fraction,
         peak_memory=peak_memory,
         overhead_time=overhead_time,
         uncertainty=step_time * spread,
+        hosts=hosts,
+        cross_host_axis=cross_host_axis,
     )
 
 
-def executed_actions(plan: Schedule) -> tuple[int, int]:
+def executed_actions(plan: Schedule, rolled: bool = True) -> tuple[int, int]:
     """(actions, loop rounds) the executor runs for `plan`: a rolled loop runs its body
-    every round, actions outside the schedule's micro-batches skipped at a cost.
+    every round, actions outside the schedule's micro-batches skipped at a cost; unrolled
+    (stages on several hosts), each action once.
 
     Example:
         >>> executed_actions(build_schedule("1f1b", 2, 4))
         (24, 6)
     """
-    rolled = loop_schedule(plan)
-    if rolled is None:
+    loop = loop_schedule(plan) if rolled else None
+    if loop is None:
         return sum(map(len, plan.device_actions)), 0
-    body = len(rolled.body) * rolled.rounds
-    return len(rolled.prologue) + body + len(rolled.epilogue), rolled.rounds
+    body = len(loop.body) * loop.rounds
+    return len(loop.prologue) + body + len(loop.epilogue), loop.rounds

@@ -5,6 +5,8 @@ chunk count for interleaved 1F1B), and every micro-batch count that divides the
 per-replica batch, the stage split comes from the balancer (`balance(..., "time")`), and
 from every contiguous split as well when there are few enough of them; each split is
 scored by simulation (`score_layout`) and the fastest that fits in memory is kept.
+Over several hosts, each mesh is scored once for every axis that can cross the hosts
+(`tfmulti.planner.hosts.cross_host_axes`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tfmulti.pipeline.schedules import (
     build_schedule,
 )
 from tfmulti.planner.costs import Hardware, ModelCosts, blocks_at
+from tfmulti.planner.hosts import cross_host_axes, hosts_used
 from tfmulti.planner.scoring import Layout, score_layout
 from tfmulti.platform.mesh import HybridMesh
 
@@ -65,23 +68,32 @@ def search_layouts(
     allow_fewer_devices: bool = False,
     max_microbatches: int = 32,
     max_chunks: int = 4,
+    hosts: int = 1,
 ) -> list[Layout]:
-    """The best-split layout of every (mesh, schedule, micro-batches, chunks) that fits.
+    """The best-split layout of every (mesh, axis across hosts, schedule, micro-batches,
+    chunks) that fits.
 
     Args:
         costs: the model's block costs.
-        num_devices: devices to lay out.
+        num_devices: devices to lay out, over all hosts.
         global_batch: examples per step over all replicas.
         hardware: bandwidth, parameter-state bytes and memory per device.
         allow_fewer_devices: also consider meshes of a divisor of `num_devices`.
         max_microbatches: largest micro-batch count tried.
         max_chunks: largest chunk count tried for interleaved 1F1B.
+        hosts: hosts the devices are on, num_devices / hosts each. A mesh of fewer
+            devices runs on whole hosts, or on part of one.
 
     Returns:
         Layouts sorted fastest first (then by peak memory, then fewer devices).
     """
     if global_batch < 1:
         raise ValueError(f"global_batch must be >= 1. Received: global_batch={global_batch}")
+    if hosts < 1 or num_devices % hosts:
+        raise ValueError(
+            "The devices must split evenly over the hosts. "
+            f"Received: num_devices={num_devices}, hosts={hosts}"
+        )
     blocks_for = functools.lru_cache(maxsize=None)(
         lambda microbatch_size, tensor: tuple(blocks_at(costs, microbatch_size, tensor, hardware))
     )
@@ -92,11 +104,24 @@ def search_layouts(
         per_replica = global_batch // mesh.data
         # A hybrid run with tensor groups runs one stage per device group (no chunks).
         chunk_limit = 1 if mesh.tensor > 1 else max_chunks
-        for schedule, num_microbatches, chunks in _pipeline_shapes(
-            mesh.pipe, per_replica, len(costs.blocks), max_microbatches, chunk_limit
+        mesh_hosts = hosts_used(mesh.num_devices, hosts, num_devices // hosts)
+        if mesh_hosts is None:
+            continue
+        for cross_host_axis, (schedule, num_microbatches, chunks) in itertools.product(
+            cross_host_axes(mesh, mesh_hosts),
+            _pipeline_shapes(
+                mesh.pipe, per_replica, len(costs.blocks), max_microbatches, chunk_limit
+            ),
         ):
             blocks = blocks_for(per_replica / num_microbatches, mesh.tensor)
-            best = _best_split(blocks, mesh, schedule, num_microbatches, chunks, hardware, costs)
+            best = _best_split(
+                blocks,
+                mesh,
+                (schedule, num_microbatches, chunks),
+                (mesh_hosts, cross_host_axis),
+                hardware,
+                costs,
+            )
             if best is not None:
                 layouts.append(best)
     return sorted(layouts, key=_rank)
@@ -132,12 +157,15 @@ def _pipeline_shapes(
 def _best_split(
     blocks: Sequence[Block],
     mesh: HybridMesh,
-    schedule: str | None,
-    num_microbatches: int,
-    chunks: int,
+    shape: tuple[str | None, int, int],
+    placement: tuple[int, str | None],
     hardware: Hardware,
     costs: ModelCosts,
 ) -> Layout | None:
+    """The fastest split that fits, for a pipeline `shape` (schedule, micro-batches,
+    chunks) on a `placement` (hosts, axis across them)."""
+    schedule, num_microbatches, chunks = shape
+    hosts, cross_host_axis = placement
     splits = _candidate_splits(blocks, mesh.pipe * chunks, num_microbatches, schedule, hardware)
     num_variables = sum(block.variables for block in costs.blocks)
     scored = (
@@ -151,6 +179,8 @@ def _best_split(
             hardware,
             num_variables,
             costs.timing_spread,
+            hosts=hosts,
+            cross_host_axis=cross_host_axis,
         )
         for split in splits
     )

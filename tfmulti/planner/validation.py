@@ -7,6 +7,10 @@ input and ran the last epoch's validation). A median, unlike a fastest epoch, mo
 little when other processes on a shared machine load it in bursts, and unlike an
 epoch's mean it leaves out what an epoch adds once. Without step lines (an older
 train.py), the fastest `step_time_ms` in `metrics.json` after the first epoch counts.
+
+A layout over several hosts runs as its printed command does: `scripts/launch.py` starts
+one worker per host on this machine (loopback between them, not a real inter-host link),
+and the chief's step lines count.
 """
 
 from __future__ import annotations
@@ -23,13 +27,16 @@ from collections.abc import Sequence
 from tfmulti.pipeline.schedules import build_schedule
 from tfmulti.planner.costs import ModelCosts
 from tfmulti.planner.scoring import Layout
-from tfmulti.planner.train_flags import train_flags
+from tfmulti.planner.train_flags import launch_flags, train_flags
 
-TRAIN_SCRIPT = os.path.join(
+_SCRIPTS = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
     "scripts",
-    "train.py",
 )
+TRAIN_SCRIPT = os.path.join(_SCRIPTS, "train.py")
+LAUNCH_SCRIPT = os.path.join(_SCRIPTS, "launch.py")
+# What scripts/launch.py puts before each line of a worker other than the chief.
+_OTHER_WORKER_LINE = re.compile(r"^\[worker [1-9][0-9]*\] ")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,13 +59,14 @@ class Measurement:
 
 
 def distinct_layouts(layouts: Sequence[Layout], count: int) -> list[Layout]:
-    """The best `count` layouts of different kinds, in ranked order: a kind is a mesh and
-    what its pipeline devices run (chunk placement and per-device actions), so schedules
-    that build the same actions (gpipe and 1f1b, or zb_h1 and zb_h2, at one micro-batch)
-    count once."""
+    """The best `count` layouts of different kinds, in ranked order: a kind is a mesh, its
+    hosts and the axis across them, and what its pipeline devices run (chunk placement and
+    per-device actions), so schedules that build the same actions (gpipe and 1f1b, or
+    zb_h1 and zb_h2, at one micro-batch) count once."""
     chosen, seen = [], set()
     for layout in layouts:
-        kind = (layout.mesh, layout.chunks, _actions_run(layout))
+        kind = (layout.mesh, layout.hosts, layout.cross_host_axis, layout.chunks)
+        kind += (_actions_run(layout),)
         if kind not in seen:
             seen.add(kind)
             chosen.append(layout)
@@ -100,6 +108,24 @@ def training_run_flags(epochs: int, steps_per_epoch: int, model_dir: str) -> lis
         "--log_steps=1",
         f"--model_dir={model_dir}",
     ]
+
+
+def training_command(layout: Layout, flags: Sequence[str]) -> list[str]:
+    """The argv that trains `layout` with `flags`: train.py, under the launcher over hosts."""
+    train = [sys.executable, TRAIN_SCRIPT, *flags]
+    if layout.hosts == 1:
+        return train
+    return [sys.executable, LAUNCH_SCRIPT, *launch_flags(layout), "--", *train]
+
+
+def chief_lines(output: str) -> str:
+    """`output` without the lines of launched workers other than the chief.
+
+    Example:
+        >>> chief_lines("[worker 0] a\n[worker 1] b\nc")
+        '[worker 0] a\nc'
+    """
+    return "\n".join(line for line in output.splitlines() if not _OTHER_WORKER_LINE.match(line))
 
 
 def timed_step_seconds(log: str, steps_per_epoch: int) -> list[float]:
@@ -154,9 +180,11 @@ def measure_layouts(
             if rank in errors:
                 continue
             model_dir = os.path.join(work_dir, f"layout_{rank + 1}_{round_index + 1}")
+            flags = train_flags(layout, costs, global_batch)
             step_times, error = _run_layout(
-                train_flags(layout, costs, global_batch),
-                training_run_flags(epochs, steps_per_epoch, model_dir),
+                training_command(
+                    layout, [*flags, *training_run_flags(epochs, steps_per_epoch, model_dir)]
+                ),
                 model_dir,
                 timeout,
                 steps_per_epoch,
@@ -178,10 +206,9 @@ def measure_layouts(
 
 
 def _run_layout(
-    flags, run_flags, model_dir, timeout, steps_per_epoch
+    command, model_dir, timeout, steps_per_epoch
 ) -> tuple[list[float] | None, str | None]:
     """(seconds of each timed step, None), or (None, why it failed)."""
-    command = [sys.executable, TRAIN_SCRIPT, *flags, *run_flags]
     environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     try:
         run = subprocess.run(
@@ -189,10 +216,12 @@ def _run_layout(
         )
     except subprocess.TimeoutExpired:
         return None, f"timed out after {timeout}s"
+    # A launched run's workers print to the launcher's stdout, the launcher to stderr.
+    output = chief_lines(run.stdout + "\n" + run.stderr)
     if run.returncode != 0:
-        lines = [line for line in run.stderr.splitlines() if line.strip()] or ["no output"]
+        lines = [line for line in output.splitlines() if line.strip()] or ["no output"]
         return None, lines[-1]
-    step_times = timed_step_seconds(run.stderr, steps_per_epoch)
+    step_times = timed_step_seconds(output, steps_per_epoch)
     if step_times:
         return step_times, None
     with open(os.path.join(model_dir, "metrics.json")) as file:
