@@ -245,14 +245,15 @@ def measure(layout: str, place: str) -> dict:
 
 def _connect():
     """The cluster after connecting to it on the chief; False on a serving worker."""
+    from tfmulti.flags.agreed_flags import agreed_flags
     from tfmulti.platform.cluster import resolve_cluster
     from tfmulti.platform.connected_cluster import connect_to_workers, serve_chief
 
     cluster = resolve_cluster()
     if not cluster.is_chief:
-        serve_chief(cluster)
+        serve_chief(cluster, settings=agreed_flags())
         return False
-    connect_to_workers(cluster)
+    connect_to_workers(cluster, settings=agreed_flags())
     return cluster
 
 

@@ -97,22 +97,24 @@ def test_a_grow_that_does_not_split_the_global_batch_is_refused_once_and_the_siz
         (DataReplicas(), [1, 2, 3, 4]),
         (DataReplicas(devices_per_worker=2), [2, 4, 6, 8]),
         # The data axis: each worker's devices over pipe x tensor.
-        (DataReplicas(2, "data=auto,pipe=2"), [1, 2, 3, 4]),
-        (DataReplicas(4, "data=auto,pipe=2"), [2, 4, 6, 8]),
-        (DataReplicas(8, "data=auto,pipe=2,tensor=2"), [2, 4, 6, 8]),
-        (DataReplicas(4, "pipe=2,data=auto"), [2, 4, 6, 8]),
+        (DataReplicas(2, "data=auto,pipe=2", "data"), [1, 2, 3, 4]),
+        (DataReplicas(4, "data=auto,pipe=2", "data"), [2, 4, 6, 8]),
+        (DataReplicas(8, "data=auto,pipe=2,tensor=2", "data"), [2, 4, 6, 8]),
+        (DataReplicas(4, "pipe=2,data=auto", "data"), [2, 4, 6, 8]),
         # A fixed data axis fits one worker count only.
-        (DataReplicas(2, "data=2,pipe=2"), [0, 2, 0, 0]),
-        (DataReplicas(4, "data=4,pipe=2"), [0, 4, 0, 0]),
+        (DataReplicas(2, "data=2,pipe=2", "data"), [0, 2, 0, 0]),
+        (DataReplicas(4, "data=4,pipe=2", "data"), [0, 4, 0, 0]),
         # Whole replicas on each worker, or none.
-        (DataReplicas(3, "data=auto,pipe=2"), [0, 0, 0, 0]),
-        # The pipe axis across workers: replicas over all the workers' devices.
+        (DataReplicas(3, "data=auto,pipe=2", "data"), [0, 0, 0, 0]),
+        # The pipe axis across workers (the training's default): replicas over all the
+        # workers' devices.
+        (DataReplicas(3, "data=auto,pipe=2"), [0, 3, 0, 6]),
         (DataReplicas(1, "data=auto,pipe=2", "pipe"), [0, 1, 0, 2]),
         (DataReplicas(2, "data=2,pipe=2", "pipe"), [0, 2, 0, 0]),
         # Unknown devices, or a mesh the training refuses by itself: not judged.
-        (DataReplicas(None, "data=auto,pipe=2"), [None] * 4),
-        (DataReplicas(2, "data=2,pipes=2"), [None] * 4),
-        (DataReplicas(2, ""), [None] * 4),
+        (DataReplicas(None, "data=auto,pipe=2", "data"), [None] * 4),
+        (DataReplicas(2, "data=2,pipes=2", "data"), [None] * 4),
+        (DataReplicas(2, "", "data"), [None] * 4),
     ],
 )
 def test_data_replicas_are_devices_or_the_hybrid_meshs_data_axis(replicas, expected):
@@ -125,7 +127,7 @@ def test_a_hybrid_size_is_judged_by_its_data_replicas_not_its_devices():
         WorkerRange(1, 3),
         ["a", "b"],
         global_batch_size=6,
-        replicas=DataReplicas(2, "data=auto,pipe=2"),
+        replicas=DataReplicas(2, "data=auto,pipe=2", "data"),
     )
     assert membership.shortfall() is None
     assert membership.offer(["a", "b", "c"]) == Change(("a", "b", "c"), joined=("c",))
@@ -137,7 +139,7 @@ def test_a_hybrid_grow_that_does_not_split_the_batch_names_the_data_replicas():
         WorkerRange(1, 3),
         ["a", "b"],
         global_batch_size=4,
-        replicas=DataReplicas(2, "data=auto,pipe=2"),
+        replicas=DataReplicas(2, "data=auto,pipe=2", "data"),
     )
     assert membership.offer(["a", "b", "c"]) == (
         "3 workers x 2 devices hold 3 data replicas of --mesh=data=auto,pipe=2, which do not "
@@ -158,11 +160,11 @@ def test_an_uneven_split_says_which_batch_sizes_would_work():
     "replicas, fix",
     [
         (
-            DataReplicas(2, "data=2,pipe=2"),
+            DataReplicas(2, "data=2,pipe=2", "data"),
             "give the mesh data=auto, so that it follows the workers",
         ),
         (
-            DataReplicas(3, "data=auto,pipe=2"),
+            DataReplicas(3, "data=auto,pipe=2", "data"),
             "give each worker a multiple of pipe x tensor = 2 devices (--devices_per_worker)",
         ),
         (
@@ -185,7 +187,7 @@ def test_a_fixed_hybrid_mesh_does_not_shrink_to_a_size_it_cannot_fill():
         WorkerRange(1, 2),
         ["a", "b"],
         max_failures_per_slot=0,
-        replicas=DataReplicas(2, "data=2,pipe=2"),
+        replicas=DataReplicas(2, "data=2,pipe=2", "data"),
     )
     assert membership.record_failure("b") == Change(("a",), left=("b",))
     assert membership.shortfall().startswith("1 workers x 2 devices cannot hold --mesh=data=2")

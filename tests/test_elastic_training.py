@@ -231,6 +231,7 @@ def test_a_hybrid_mesh_that_loses_a_worker_goes_on_along_its_data_axis(tmp_path)
             *FLAGS,
             "--strategy=hybrid",
             "--mesh=data=auto,pipe=2",
+            "--cross_host_axis=data",  # the axis an elastic job resizes
             "--microbatches=2",
             f"--model_dir={model_dir}",
         ),

@@ -1,13 +1,13 @@
 """A hybrid mesh whose pipe axis crosses the workers trains like one device.
 
 `scripts/launch.py` starts 2 workers of 2 logical CPU devices and `--strategy=hybrid
---mesh=data=2,pipe=2 --cross_host_axis=pipe` puts each data replica's stage 0 on worker 0
-and stage 1 on worker 1: the chief connects to the cluster and drives both replicas, the
-sum of a stage's gradients over the replicas stays inside the worker that holds the
-stage, and only activations and their gradients cross hosts. The runs hold for the
-reference MLP (SGD, 1F1B), a user's module (Adam, ZB-H1), and the reference Transformer
-with each stage's layers split over two devices of its worker (data=2,pipe=2,tensor=2 over
-2 workers x 4 devices).
+--mesh=data=2,pipe=2` (the pipe axis crosses the workers by default, `--cross_host_axis`)
+puts each data replica's stage 0 on worker 0 and stage 1 on worker 1: the chief connects
+to the cluster and drives both replicas, the sum of a stage's gradients over the replicas
+stays inside the worker that holds the stage, and only activations and their gradients
+cross hosts. The runs hold for the reference MLP (SGD, 1F1B), a user's module (Adam,
+ZB-H1), and the reference Transformer with each stage's layers split over two devices of
+its worker (data=2,pipe=2,tensor=2 over 2 workers x 4 devices).
 
 Tolerance: as `assert_same_run` (the same gradients summed in another order).
 """
@@ -28,12 +28,8 @@ from tfmulti.platform.cluster import resolve_cluster
 from tfmulti.platform.connected_cluster import mesh_groups_across_workers, pipe_major_groups
 from tfmulti.platform.mesh import parse_mesh
 
-PIPE_ACROSS_WORKERS = (
-    "--strategy=hybrid",
-    "--mesh=data=2,pipe=2",
-    "--cross_host_axis=pipe",
-    "--microbatches=2",
-)
+# The pipe axis crosses the workers without --cross_host_axis=pipe: it is the default.
+PIPE_ACROSS_WORKERS = ("--strategy=hybrid", "--mesh=data=2,pipe=2", "--microbatches=2")
 
 
 def worker_device(task: int, index: int) -> str:

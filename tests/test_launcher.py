@@ -232,7 +232,8 @@ def test_a_hybrid_batch_is_checked_against_the_data_axis_not_the_devices():
     [
         (
             ["--num_workers=3", "--devices_per_worker=2"],
-            ["--strategy=hybrid", "--mesh", "data=auto,pipe=2", "--batch_size=4"],
+            ["--strategy=hybrid", "--mesh", "data=auto,pipe=2", "--cross_host_axis=data"]
+            + ["--batch_size=4"],
             "launch: 3 workers x 2 devices hold 3 data replicas of --mesh=data=auto,pipe=2, "
             "which do not split --batch_size=4 evenly; give --batch_size a multiple of 3, e.g. 6",
         ),
@@ -245,9 +246,25 @@ def test_a_hybrid_batch_is_checked_against_the_data_axis_not_the_devices():
         ),
         (
             ["--num_workers=3", "--devices_per_worker=2"],
-            ["--strategy=hybrid", "--mesh=data=2,pipe=2", "--batch_size=4"],
+            ["--strategy=hybrid", "--mesh=data=2,pipe=2", "--cross_host_axis", "data"]
+            + ["--batch_size=4"],
             "launch: 3 workers x 2 devices cannot hold --mesh=data=2,pipe=2; give the mesh "
             "data=auto, so that it follows the workers",
+        ),
+        (
+            # The pipe axis crosses the workers by default, so pipe=2 needs 1 or 2 workers.
+            ["--num_workers=3", "--devices_per_worker=2"],
+            ["--strategy=hybrid", "--mesh=data=auto,pipe=2", "--batch_size=6"],
+            "launch: --cross_host_axis=pipe lays --mesh=data=auto,pipe=2's pipe axis over 3 "
+            "workers, so pipe must be a multiple of 3; use --cross_host_axis=data or another "
+            "mesh. Received: pipe=2",
+        ),
+        (
+            ["--num_workers=1:2", "--devices_per_worker=2"],
+            ["--strategy=hybrid", "--mesh=data=auto,pipe=2", "--batch_size=4"],
+            "launch: an elastic job resizes a hybrid mesh along its data axis, so the data "
+            "axis must cross the workers: add --cross_host_axis=data to the worker command. "
+            "Received: --num_workers=1:2 with --cross_host_axis=pipe",
         ),
         (
             ["--num_workers=3"],
@@ -256,7 +273,14 @@ def test_a_hybrid_batch_is_checked_against_the_data_axis_not_the_devices():
             "give --batch_size a multiple of 3, e.g. 6",
         ),
     ],
-    ids=["hybrid data axis", "hybrid with tensor", "fixed mesh", "multi_worker"],
+    ids=[
+        "hybrid data axis",
+        "hybrid with tensor",
+        "fixed mesh",
+        "pipe across too many workers",
+        "elastic with the pipe axis across",
+        "multi_worker",
+    ],
 )
 def test_an_uneven_split_is_refused_in_one_line_naming_the_fix(launch_flags, worker_flags, line):
     result = run_printing_worker(launch_flags, worker_flags)

@@ -31,6 +31,8 @@ BAD_FLAGS = [
     ("--model_option=num_layers", "model_option"),
     ("--jit_compile", "jit_compile"),  # with the default --strategy=mirrored
     ("--norolled", "rolled"),
+    # pipe is the default, so the other axis names a hybrid-only setting.
+    ("--cross_host_axis=data", "cross_host_axis"),
 ]
 
 

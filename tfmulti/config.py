@@ -91,7 +91,9 @@ class DistributionConfig:
     mesh: str | None = None
     tensor_parallel: int = 1
     layout_map: str | None = None
-    cross_host_axis: str = "data"
+    # Across workers the pipe axis crosses hosts, as DeepSpeed and Megatron lay it: only
+    # activations at stage boundaries go over the network, not gradient sums.
+    cross_host_axis: str = "pipe"
 
 
 @dataclasses.dataclass
@@ -103,6 +105,10 @@ class ClusterConfig:
     communication: str = "auto"
     collective_timeout: float | None = None
     connect_timeout: float | None = None
+    # What every worker of a chief-driven run must hold alike, {"--name": value}: the
+    # script's command line (`tfmulti.flags.agreed_flags`). It records where the config
+    # came from rather than choosing anything, so configs compare without it.
+    agreed_flags: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 @dataclasses.dataclass

@@ -69,6 +69,7 @@ def main():
         cluster=cluster,
         communication="ring",
         collective_timeout=120,
+        cross_host_axis="data",
     )
     model.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE), loss="mse")
     batches = training_batches()

@@ -14,9 +14,11 @@ import sys
 
 from absl import app, flags
 
+from tfmulti.config import DistributionConfig
 from tfmulti.flags.parsing import parse_flags_or_exit
 from tfmulti.names import HYBRID_STRATEGY_NAME
 from tfmulti.platform import launcher, membership, network_isolation
+from tfmulti.platform.mesh import MeshError, parse_mesh, resolve_data_axis
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string(
@@ -119,6 +121,15 @@ def _launch(argv: list[str]) -> None:
         sys.exit(2)
     batch_size = _worker_flag(command, "batch_size") or ""
     hybrid = _worker_flag(command, "strategy") == HYBRID_STRATEGY_NAME
+    # A hybrid command without --mesh is refused by train.py itself.
+    mesh = (_worker_flag(command, "mesh") or "") if hybrid else None
+    # The training's own default, so the launcher counts the replicas it will train.
+    cross_host_axis = _worker_flag(command, "cross_host_axis") or DistributionConfig.cross_host_axis
+    workers = membership.WorkerRange.parse(FLAGS.num_workers)
+    refusal = _pipe_across_workers_refusal(workers, mesh, cross_host_axis)
+    if refusal:
+        sys.stderr.write(f"launch: {refusal}\n")
+        sys.exit(2)
     sys.exit(
         launcher.launch(
             command,
@@ -133,11 +144,42 @@ def _launch(argv: list[str]) -> None:
             global_batch_size=int(batch_size) if batch_size.isdigit() else None,
             rendezvous_timeout=FLAGS.rendezvous_timeout,
             slots_from=FLAGS.slots_from,
-            # A hybrid command without --mesh is refused by train.py itself.
-            mesh=(_worker_flag(command, "mesh") or "") if hybrid else None,
-            cross_host_axis=_worker_flag(command, "cross_host_axis") or "data",
+            mesh=mesh,
+            cross_host_axis=cross_host_axis,
         )
     )
+
+
+def _pipe_across_workers_refusal(
+    workers: membership.WorkerRange, mesh: str | None, cross_host_axis: str
+) -> str | None:
+    """Why a hybrid mesh cannot lay its pipe axis over `workers`, as the training would
+    refuse it after starting them; None when it can (or for other axes, strategies and
+    malformed meshes, which the training refuses by itself).
+
+    Each worker holds pipe / workers stages of every replica, so the worker count is tied
+    to the pipe axis, while an elastic job resizes along the data axis only: with the pipe
+    axis across the workers, a lost worker would take a share of every replica's stages.
+    """
+    if mesh is None or cross_host_axis != "pipe":
+        return None
+    if workers.minimum < workers.maximum:
+        return (
+            "an elastic job resizes a hybrid mesh along its data axis, so the data axis must "
+            "cross the workers: add --cross_host_axis=data to the worker command. Received: "
+            f"--num_workers={workers} with --cross_host_axis=pipe"
+        )
+    try:
+        pipe = parse_mesh(resolve_data_axis(mesh, None)).pipe
+    except MeshError:
+        return None
+    if pipe % workers.maximum:
+        return (
+            f"--cross_host_axis=pipe lays --mesh={mesh}'s pipe axis over {workers} workers, so "
+            f"pipe must be a multiple of {workers}; use --cross_host_axis=data or another "
+            f"mesh. Received: pipe={pipe}"
+        )
+    return None
 
 
 def _worker_flag(command: list[str], name: str) -> str | None:

@@ -48,7 +48,7 @@ def _train(argv: list[str]) -> None:
     if cluster is not None and not cluster.is_chief and training_strategy.chief_drives_workers:
         from tfmulti.platform.connected_cluster import serve_chief
 
-        serve_chief(cluster, config.cluster.connect_timeout)
+        serve_chief(cluster, config.cluster.connect_timeout, config.cluster.agreed_flags)
         return
     record = _train_or_report_timeout(config)
     if quiet or record.get(NOTHING_LEFT_TO_TRAIN):

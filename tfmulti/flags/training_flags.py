@@ -11,9 +11,11 @@ from tfmulti.config import (
     DTYPE_POLICIES,
     LR_SCHEDULE_NAMES,
     OPTIMIZER_NAMES,
+    DistributionConfig,
     TrainConfig,
     flat_keys,
 )
+from tfmulti.flags.agreed_flags import agreed_flags
 from tfmulti.flags.help import flag_group
 from tfmulti.names import (
     ALL_REDUCE_NAMES,
@@ -366,12 +368,13 @@ def define_pipeline_flags() -> None:
     )
     flags.DEFINE_enum(
         "cross_host_axis",
-        "data",
+        DistributionConfig.cross_host_axis,
         ("data", "pipe"),
-        "With --strategy=hybrid across workers, the --mesh axis laid across the workers: data "
-        "(each worker holds whole pipelines; gradients are summed between workers) or pipe "
+        "With --strategy=hybrid across workers, the --mesh axis laid across the workers: pipe "
         "(each replica's stages on different workers, the chief drives them all; only "
-        "activations and their gradients cross hosts).",
+        "activations and their gradients cross hosts; pipe must be a multiple of the "
+        "workers) or data (each worker holds whole pipelines; gradients are summed between "
+        "workers; the axis an elastic job resizes).",
     )
     flags.register_multi_flags_validator(
         ["strategy", "mesh"],
@@ -513,6 +516,7 @@ _SETTING_FROM_FLAG = {
 _DERIVED_SETTINGS = {
     "model_options": lambda: dict(parse_model_option(option) for option in FLAGS.model_option),
     "keep_compiled_optimizer": lambda: not any(FLAGS[name].present for name in OPTIMIZER_FLAGS),
+    "agreed_flags": agreed_flags,
 }
 
 

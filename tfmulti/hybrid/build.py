@@ -55,7 +55,7 @@ def build_hybrid_model(
     communication: str = "auto",
     collective_timeout: float | None = None,
     make_split_blocks: Callable[[list[str]], Sequence[keras.layers.Layer]] | None = None,
-    cross_host_axis: str = "data",
+    cross_host_axis: str = "pipe",
 ) -> HybridPipelineModel:
     """Builds a `HybridPipelineModel`: pipe x chunks stages per replica, data replicas,
     and with tensor > 1 each stage's layers split over its group of tensor devices.
@@ -174,7 +174,7 @@ def build_hybrid_model_from_model(
     communication: str = "auto",
     collective_timeout: float | None = None,
     cost_cache: CostCache | str | os.PathLike | None = None,
-    cross_host_axis: str = "data",
+    cross_host_axis: str = "pipe",
 ) -> HybridPipelineModel:
     """Builds a `HybridPipelineModel` whose replicas pipeline copies of a whole Keras model.
 

@@ -10,6 +10,9 @@ carries the bytes; no socket of ours) and refuses a worker that disagrees in one
 A serving worker that gets SIGTERM posts a notice next to it, which the chief polls the
 same way and takes as its own SIGTERM (`tfmulti.run.preemption`).
 
+The settings are plain values the caller gives, as `{"--name": value}`: scripts collect
+their command line's flags with `tfmulti.flags.agreed_flags` (this module reads no flags).
+
 The files live in the temporary directory (`TMPDIR`), named by the worker's address, so
 the chief finds them when the hosts share that setting, as under `scripts/launch.py`;
 where they do not, the chief says so and trains without the check.
@@ -33,45 +36,7 @@ from collections.abc import Mapping
 
 from tfmulti.platform.cluster import ClusterInfo
 
-# Flags that may rightly differ between workers: who this worker is, where it keeps its
-# files (a chief-driven run reads and writes only the chief's), the devices it lends (a
-# share that does not fit is refused by `devices_across_workers`), how long it waits and
-# what it prints.
-PER_WORKER_FLAGS = frozenset(
-    {
-        "task_index",
-        "worker_hosts",  # compared as the cluster it describes
-        "model_dir",
-        "data_path",
-        "resume",
-        "virtual_devices",
-        "connect_timeout",
-        "collective_timeout",
-        "tf_log_level",
-        "verbose_workers",
-    }
-)
 CLUSTER_SETTING = "the cluster"
-
-
-def command_line_settings() -> dict[str, str]:
-    """Every flag this process was started with (absl's own and `PER_WORKER_FLAGS`
-    aside), as `{"--name": value}`; empty when no flags were parsed.
-
-    The flags are read here, not passed in, because what the workers must agree on is
-    exactly their command lines, whatever script (training, benchmark) they run.
-    """
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():
-        return {}
-    return {
-        f"--{flag.name}": _shown(flag.value)
-        for module, module_flags in flags.FLAGS.flags_by_module_dict().items()
-        if not module.startswith("absl")
-        for flag in module_flags
-        if flag.name not in PER_WORKER_FLAGS
-    }
 
 
 def agreed_settings(cluster: ClusterInfo, settings: Mapping[str, str]) -> dict[str, str]:
@@ -156,12 +121,3 @@ class WorkerNotices:
 
         with tf.device(device):
             return tf.io.matching_files(self.sigterm_path).shape[0] > 0
-
-
-def _shown(value) -> str:
-    """A flag's value as a person would type it."""
-    if value is None:
-        return "unset"
-    if isinstance(value, (list, tuple)):
-        return ",".join(str(item) for item in value)
-    return str(value)

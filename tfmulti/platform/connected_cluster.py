@@ -12,9 +12,10 @@ worker's SIGTERM as its own (`cluster_agreement`).
 
 Example:
     >>> cluster = resolve_cluster()
+    >>> settings = {"--num_stages": "4"}  # the flags every worker must hold alike
     >>> if not cluster.is_chief:
-    ...     serve_chief(cluster)  # returns once the chief has finished
-    >>> connect_to_workers(cluster)
+    ...     serve_chief(cluster, settings=settings)  # returns once the chief has finished
+    >>> connect_to_workers(cluster, settings=settings)
     >>> devices = devices_across_workers(cluster, 4, "--num_stages=4")
 """
 
@@ -33,7 +34,6 @@ from tfmulti.platform.cluster import ClusterError, ClusterInfo
 from tfmulti.platform.cluster_agreement import (
     WorkerNotices,
     agreed_settings,
-    command_line_settings,
     disagreement_message,
 )
 from tfmulti.platform.mesh import HybridMesh
@@ -62,8 +62,9 @@ def connect_to_workers(
         cluster: from `resolve_cluster`; this process must be its chief.
         connect_timeout_seconds: if set and the workers have not all joined by then, one
             line naming the unreachable ones goes to stderr and the process is killed.
-        settings: what every worker must hold alike; default: the flags this process
-            was started with (`command_line_settings`).
+        settings: what every worker must hold alike besides the cluster, as
+            `{"--name": value}`: scripts pass their command line's
+            (`tfmulti.flags.agreed_flags`); None compares the cluster alone.
 
     Raises:
         ClusterError: this process is not the chief, TensorFlow already started, or a
@@ -98,7 +99,7 @@ def connect_to_workers(
         if watchdog is not None:
             watchdog.stdin.close()  # tells the watchdog to stand down
             watchdog.wait()
-    _refuse_disagreeing_workers(cluster, command_line_settings() if settings is None else settings)
+    _refuse_disagreeing_workers(cluster, settings or {})
 
 
 def serve_chief(
@@ -119,8 +120,9 @@ def serve_chief(
         cluster: from `resolve_cluster`; this process must not be its chief.
         connect_timeout_seconds: seconds to wait for the chief to listen; None waits
             forever.
-        settings: what every worker must hold alike; default: the flags this process
-            was started with (`command_line_settings`).
+        settings: what every worker must hold alike besides the cluster, as
+            `{"--name": value}`: scripts pass their command line's
+            (`tfmulti.flags.agreed_flags`); None posts the cluster alone.
 
     Raises:
         ClusterError: this process is the chief, or the chief never listened.
@@ -128,9 +130,7 @@ def serve_chief(
     if cluster.is_chief:
         raise ClusterError("The chief connects to the workers (connect_to_workers), not serves.")
     notices = WorkerNotices(cluster.worker_addresses[cluster.task_index])
-    notices.post_settings(
-        agreed_settings(cluster, command_line_settings() if settings is None else settings)
-    )
+    notices.post_settings(agreed_settings(cluster, settings or {}))
     try:
         _serve_until_the_chief_has_gone(cluster, connect_timeout_seconds, notices)
     finally:

@@ -146,7 +146,7 @@ def launch(
     rendezvous_timeout: float = 60.0,
     slots_from: str | None = None,
     mesh: str | None = None,
-    cross_host_axis: str = "data",
+    cross_host_axis: str = "pipe",
 ) -> int:
     """Runs `command` as `num_workers` local workers and returns the exit status (0: success).
 

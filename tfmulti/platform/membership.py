@@ -119,7 +119,8 @@ class DataReplicas:
         devices_per_worker: each worker's devices (`--devices_per_worker`); None when not
             given: then each worker counts one replica, and a mesh is not checked.
         mesh: the hybrid mesh as `--mesh` gives it; None for other strategies.
-        cross_host_axis: the mesh axis laid across the workers, "data" or "pipe".
+        cross_host_axis: the mesh axis laid across the workers, "pipe" (the training's
+            default) or "data".
 
     Example:
         >>> DataReplicas(devices_per_worker=2, mesh="data=auto,pipe=2").count(3)
@@ -128,7 +129,7 @@ class DataReplicas:
 
     devices_per_worker: int | None = None
     mesh: str | None = None
-    cross_host_axis: str = "data"
+    cross_host_axis: str = "pipe"
 
     def count(self, num_workers: int) -> int | None:
         """The data replicas of `num_workers` workers: 0 when their devices cannot hold

@@ -63,7 +63,7 @@ class Hybrid(TrainingStrategy):
         if cluster is None:
             return tf.distribute.get_strategy()
         if _pipe_crosses_hosts(config, cluster):
-            connect_to_workers(cluster, config.cluster.connect_timeout)
+            connect_to_workers(cluster, config.cluster.connect_timeout, config.cluster.agreed_flags)
             return tf.distribute.get_strategy()
         # The strategy only starts the collective runtime; nothing runs in its scope.
         return build_multi_worker_strategy(

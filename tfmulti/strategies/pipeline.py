@@ -32,7 +32,7 @@ class Pipeline(DevicePlacingStrategy):
         self, config: TrainConfig, cluster: ClusterInfo | None
     ) -> tf.distribute.Strategy:
         if cluster is not None:
-            connect_to_workers(cluster, config.cluster.connect_timeout)
+            connect_to_workers(cluster, config.cluster.connect_timeout, config.cluster.agreed_flags)
         return tf.distribute.get_strategy()
 
     def build(self, source: ModelSource, config: TrainConfig, context: BuildContext) -> keras.Model:
