@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from tfmulti.collectives.worker_sums import WorkerCollectives
 from tfmulti.compat.keras_whole_weights import variables_holding
+from tfmulti.hybrid.shared_schedule import SharedSchedule
 from tfmulti.pipeline.actions import Schedule
 from tfmulti.pipeline.runtime.executor import add_gradients
 from tfmulti.pipeline.runtime.grappler_iterations import OptimisedOnceSteps
@@ -109,6 +110,7 @@ class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, 
         num_workers = worker_collectives.num_workers if worker_collectives else 1
         self.num_data_replicas = len(self.replicas) * num_workers
         self._replicas_synced = False
+        self._shared_schedule = SharedSchedule(self.replicas, loss_model=self)
 
     def _use_xla(self, enabled: bool) -> None:
         """`compile(jit_compile=True)` compiles each copy's stages with XLA, each for its
@@ -173,11 +175,9 @@ class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, 
         weight_parts = split_padded_microbatches(sample_weight, sizes)
         totals = self._step_totals(batch_totals(x, sample_weight))
         results = [
-            replica.run_schedule(
-                x_part, y_part, weight_part, loss_model=self, totals=totals, rows=rows
-            )
-            for replica, x_part, y_part, weight_part, rows in zip(
-                self.replicas, x_parts, y_parts, weight_parts, _each(sizes), strict=True
+            self._shared_schedule.run(index, x_part, y_part, weight_part, totals, rows)
+            for index, (x_part, y_part, weight_part, rows) in enumerate(
+                zip(x_parts, y_parts, weight_parts, _each(sizes), strict=True)
             )
         ]
         gradients = self._summed_gradients(results)

@@ -1,0 +1,119 @@
+"""One traced schedule for every data replica of a hybrid mesh on one host.
+
+The first replica's schedule (its forwards, backwards and loss, as `run_schedule` builds
+them) is traced once per input signature as a function of the replica's batch shard; every
+other replica calls a copy of that function moved onto its own devices and given its own
+variables (`remapped_functions.remapped_call`), so the step's trace does not grow with the
+data axis. A replica whose functions cannot be moved (an op on a device of no stage, or a
+variable that does not pair up with the first replica's) traces its own schedule, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+import tensorflow as tf
+
+from tfmulti.compat.remapped_functions import DeviceMap, UnmovableFunction, remapped_call
+from tfmulti.pipeline.runtime.executor import StepResult
+from tfmulti.pipeline.runtime.loss_shares import BatchTotals
+from tfmulti.pipeline.runtime.pipeline_model import PipelineModel
+from tfmulti.pipeline.runtime.shared_traces import handle_map, held_variables
+
+
+@dataclasses.dataclass
+class _ReplicaBinding:
+    """How replica `index` calls the first replica's traced schedule."""
+
+    devices: DeviceMap
+    handles: dict[int, tf.Tensor]
+    variables: dict[int, tf.Variable]
+
+
+class SharedSchedule:
+    """Runs `replicas`' schedules through the first replica's traced one.
+
+    Args:
+        replicas: the data replicas on this host, copies of one pipeline.
+        loss_model: the compiled model whose loss every micro-batch uses.
+    """
+
+    def __init__(self, replicas: list[PipelineModel], loss_model: keras.Model):
+        self._replicas = replicas
+        self._loss_model = loss_model
+        self._function = tf.function(self._first_schedule, autograph=False)
+        # The variables of each trace's gradients, by the trace's graph (their order may
+        # differ between traces).
+        self._variables_of_trace: dict[object, list] = {}
+        self._bindings: dict[int, _ReplicaBinding | None] = {}
+
+    def _first_schedule(self, x, y, sample_weight, rows_total, weight_sum, rows):
+        result = self._replicas[0].run_schedule(
+            x,
+            y,
+            sample_weight,
+            loss_model=self._loss_model,
+            totals=BatchTotals(rows_total, weight_sum),
+            rows=rows,
+        )
+        self._variables_of_trace[tf.compat.v1.get_default_graph()] = result.variables
+        return result.outputs, result.losses, result.gradients
+
+    def run(self, index: int, x, y, sample_weight, totals: BatchTotals, rows) -> StepResult:
+        """Replica `index`'s `run_schedule` on its batch shard (see
+        `PipelineModel.run_schedule`)."""
+        args = (x, y, sample_weight, totals.rows, totals.weight_sum, rows)
+        concrete = self._function.get_concrete_function(*args)
+        first_variables = self._variables_of_trace[concrete.graph]
+        if index == 0:
+            outputs, losses, gradients = concrete(*args)
+            return StepResult(outputs, losses, gradients, list(first_variables), None)
+        binding = self._binding(index, concrete)
+        if binding is None:
+            return self._replicas[index].run_schedule(
+                x, y, sample_weight, loss_model=self._loss_model, totals=totals, rows=rows
+            )
+        captures = [binding.handles.get(id(t), t) for t in concrete.captured_inputs]
+        try:
+            outputs, losses, gradients = remapped_call(
+                concrete, args, captures, binding.devices, tag=f"data_replica_{index}"
+            )
+        except UnmovableFunction:
+            self._bindings[index] = None
+            return self.run(index, x, y, sample_weight, totals, rows)
+        variables = [binding.variables[id(v)] for v in first_variables]
+        return StepResult(outputs, losses, gradients, variables, None)
+
+    def _binding(self, index: int, concrete) -> _ReplicaBinding | None:
+        if index not in self._bindings:
+            self._bindings[index] = _bind(self._replicas[0], self._replicas[index], concrete)
+        return self._bindings[index]
+
+
+def _bind(first: PipelineModel, replica: PipelineModel, concrete) -> _ReplicaBinding | None:
+    """How `replica` calls `first`'s traced schedule; None when its stages' variables do not
+    pair up with `first`'s, or the schedule captures a variable of `first` not paired."""
+    handles: dict[int, tf.Tensor] = {}
+    for first_stage, stage in zip(first.stages, replica.stages, strict=True):
+        stage_handles = handle_map(first_stage, stage)
+        if stage_handles is None:
+            return None
+        handles.update(stage_handles)
+    first_handles = {
+        id(variable.handle) for stage in first.stages for variable in held_variables(stage)
+    }
+    for captured in concrete.captured_inputs:
+        if id(captured) in first_handles and id(captured) not in handles:
+            return None
+    try:
+        devices = DeviceMap(list(zip(first.stage_devices, replica.stage_devices, strict=True)))
+    except UnmovableFunction:
+        return None
+    variables = {
+        id(reference): own
+        for reference, own in zip(
+            first.trainable_variables, replica.trainable_variables, strict=True
+        )
+    }
+    return _ReplicaBinding(devices, handles, variables)
