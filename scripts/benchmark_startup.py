@@ -142,7 +142,10 @@ def measure(kind: str, layers: int, microbatches: int, data_replicas: int) -> di
         "second_step_s": second_step_s,
         "steady_step_s": float(np.median(steady)),
         "step_nodes": len(graph.node),
-        "rolled": any(node.op in ("While", "StatelessWhile") for node in graph.node),
+        "rolled": any(
+            node.op in ("While", "StatelessWhile")
+            for node in [*graph.node, *(n for f in graph.library.function for n in f.node_def)]
+        ),
         "total_nodes": _total_nodes(graph),
         "first_evaluation_cpu_s": first_evaluation_cpu_s,
         "evaluation_total_nodes": _total_nodes(evaluation_graph),
