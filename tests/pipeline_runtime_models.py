@@ -88,6 +88,24 @@ class Chain(keras.Model):
         return inputs
 
 
+# (policy, weight tolerance against one device under the same policy)
+MIXED_PRECISION_POLICIES = [("mixed_float16", 2e-3), ("mixed_bfloat16", 2e-2)]
+
+
+def mixed_precision_stages(num_stages: int, policy: str) -> list[keras.layers.Layer]:
+    """`dense_stages` computing in `policy`, all but the float32 head."""
+    layers = dense_stages(num_stages)
+    for layer in layers[:-1]:
+        layer.dtype_policy = keras.DTypePolicy(policy)
+    return layers
+
+
+def mixed_precision_sgd(policy: str) -> keras.optimizers.Optimizer:
+    """SGD(0.1), with loss scaling for float16."""
+    sgd = keras.optimizers.SGD(0.1)
+    return keras.optimizers.LossScaleOptimizer(sgd) if policy == "mixed_float16" else sgd
+
+
 def regression_batches(num_batches: int, batch_size: int, seed: int = 0):
     """A list of (x, y) float32 batches."""
     rng = np.random.default_rng(seed)

@@ -9,7 +9,6 @@ from pipeline_runtime_models import (
     regression_batches,
     train_pipeline_and_chain,
 )
-from script_runner import TWO_EPOCHS, assert_same_training, read_metrics, run_script
 
 from tfmulti.pipeline import CostModel, build_schedule, simulate, validate_schedule
 
@@ -135,20 +134,3 @@ def test_interleaved_zb_step_runs_as_one_loop(num_devices, num_microbatches):
     )
     x, y = regression_batches(1, 32)[0]
     assert loops_in_step(pipeline, x, y) == 1
-
-
-def test_train_script_runs_interleaved_zb_to_the_losses_of_one_device(tmp_path, one_device_metrics):
-    model_dir = str(tmp_path / "run")
-    result = run_script(
-        "train.py",
-        *TWO_EPOCHS,
-        "--strategy=pipeline",
-        "--virtual_devices=2",
-        "--num_stages=2",
-        "--chunks=2",
-        "--microbatches=4",
-        "--schedule=interleaved_zb",
-        f"--model_dir={model_dir}",
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert_same_training(read_metrics(model_dir), one_device_metrics)

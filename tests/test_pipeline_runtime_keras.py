@@ -9,10 +9,13 @@ import pytest
 import tensorflow as tf
 from pipeline_runtime_models import (
     FEATURES,
+    MIXED_PRECISION_POLICIES,
     Chain,
     dense_stages,
     device_index,
     max_weight_difference,
+    mixed_precision_sgd,
+    mixed_precision_stages,
     regression_batches,
     residual_stages,
 )
@@ -129,24 +132,13 @@ def test_recomputation_gives_the_same_gradients_as_stored_activations(schedule, 
         np.testing.assert_allclose(first, second, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("policy, tolerance", [("mixed_float16", 2e-3), ("mixed_bfloat16", 2e-2)])
+@pytest.mark.parametrize("policy, tolerance", MIXED_PRECISION_POLICIES)
 def test_mixed_precision_trains_like_one_device_mixed_precision(policy, tolerance):
     batches = regression_batches(2, 16)
-
-    def stages():
-        layers = dense_stages(2)
-        for layer in layers[:-1]:
-            layer.dtype_policy = keras.DTypePolicy(policy)
-        return layers
-
-    def optimizer():
-        sgd = keras.optimizers.SGD(0.1)
-        return keras.optimizers.LossScaleOptimizer(sgd) if policy == "mixed_float16" else sgd
-
-    model = PipelineModel(stages(), _devices(2), 4, "1f1b")
-    model.compile(optimizer=optimizer(), loss="mse")
-    reference = Chain(stages())
-    reference.compile(optimizer=optimizer(), loss="mse")
+    model = PipelineModel(mixed_precision_stages(2, policy), _devices(2), 4, "1f1b")
+    model.compile(optimizer=mixed_precision_sgd(policy), loss="mse")
+    reference = Chain(mixed_precision_stages(2, policy))
+    reference.compile(optimizer=mixed_precision_sgd(policy), loss="mse")
     for x, y in batches:
         loss = model.train_on_batch(x, y)
         reference.train_on_batch(x, y)

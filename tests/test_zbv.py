@@ -5,17 +5,19 @@ one device's weights with recomputation, mixed precision, uneven batches, a whol
 by `PipelineModel.from_model`, on a hybrid mesh, and from `scripts/train.py`.
 """
 
-import keras
 import numpy as np
 import pytest
 from pipeline_graph_models import regression_data, skip_model
 from pipeline_runtime_models import (
     FEATURES,
+    MIXED_PRECISION_POLICIES,
     OUTPUTS,
     Chain,
     dense_stages,
     loops_in_step,
     max_weight_difference,
+    mixed_precision_sgd,
+    mixed_precision_stages,
     optimizer_named,
     regression_batches,
     residual_stages,
@@ -171,22 +173,14 @@ def test_recomputation_trains_to_the_weights_of_one_device(schedule, remat):
 
 
 @pytest.mark.parametrize("schedule", CHUNKED_ZERO_BUBBLE)
-@pytest.mark.parametrize("policy, tolerance", [("mixed_float16", 2e-3), ("mixed_bfloat16", 2e-2)])
+@pytest.mark.parametrize("policy, tolerance", MIXED_PRECISION_POLICIES)
 def test_mixed_precision_trains_like_one_device_mixed_precision(schedule, policy, tolerance):
-    def stages():
-        layers = dense_stages(4)
-        for layer in layers[:-1]:
-            layer.dtype_policy = keras.DTypePolicy(policy)
-        return layers
-
-    def optimizer():
-        sgd = keras.optimizers.SGD(0.1)
-        return keras.optimizers.LossScaleOptimizer(sgd) if policy == "mixed_float16" else sgd
-
-    pipeline = PipelineModel(stages(), logical_device_names("CPU")[:2], 4, schedule)
-    reference = Chain(stages())
+    pipeline = PipelineModel(
+        mixed_precision_stages(4, policy), logical_device_names("CPU")[:2], 4, schedule
+    )
+    reference = Chain(mixed_precision_stages(4, policy))
     initial, _, pipeline_loss = _train_both(
-        pipeline, reference, optimizer, regression_batches(2, 16)
+        pipeline, reference, lambda: mixed_precision_sgd(policy), regression_batches(2, 16)
     )
     assert np.isfinite(pipeline_loss)
     assert pipeline.stages[0].compute_dtype == policy.removeprefix("mixed_")
@@ -267,7 +261,10 @@ def test_a_data2_pipe2_mesh_trains_to_the_weights_of_one_device(schedule, optimi
     np.testing.assert_allclose(hybrid_loss, reference_loss, rtol=1e-5)
 
 
-def test_train_script_runs_zbv_to_the_losses_of_one_device(tmp_path, one_device_metrics):
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved_zb"])
+def test_train_script_runs_a_chunked_zero_bubble_schedule_to_the_losses_of_one_device(
+    tmp_path, one_device_metrics, schedule
+):
     model_dir = str(tmp_path / "run")
     result = run_script(
         "train.py",
@@ -277,7 +274,7 @@ def test_train_script_runs_zbv_to_the_losses_of_one_device(tmp_path, one_device_
         "--num_stages=2",
         "--chunks=2",
         "--microbatches=4",
-        "--schedule=zbv",
+        f"--schedule={schedule}",
         f"--model_dir={model_dir}",
     )
     assert result.returncode == 0, result.stderr[-3000:]
