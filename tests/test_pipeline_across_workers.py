@@ -3,7 +3,7 @@
 `scripts/launch.py` starts 2 workers of 2 logical CPU devices; the chief connects to the
 other worker and drives all 4 stages, stages 0-1 on its own devices and 2-3 on worker 1's,
 with TensorFlow's runtime moving activations and gradients between the processes. The
-runs hold for the reference MLP (SGD, 1F1B) and a user's module (Adam, ZB-H1), through
+runs hold for the reference MLP (SGD, 1F1B and ZB-V) and a user's module (Adam, ZB-H1), through
 `--resume`, a SIGTERM to the group and a SIGKILL of worker 1.
 
 Tolerance: the pipeline sums the same micro-batch gradients as one device does its batch,
@@ -56,13 +56,18 @@ def one_device_dir(tmp_path_factory) -> str:
     return model_dir
 
 
-def test_stages_on_two_workers_train_like_one_device(tmp_path, one_device_dir):
+# ZB-V: 2 devices of two chunks each in a V (the MLP's 4 blocks), one device per worker:
+# stages 0 and 3 on the chief, 1 and 2 on worker 1 (the last --num_stages counts).
+@pytest.mark.parametrize(
+    "schedule", [("--schedule=1f1b",), ("--schedule=zbv", "--num_stages=2", "--chunks=2")]
+)
+def test_stages_on_two_workers_train_like_one_device(tmp_path, one_device_dir, schedule):
     model_dir = str(tmp_path / "run")
-    returncode, output = launch_on_two_workers(
-        *PIPELINE, "--schedule=1f1b", f"--model_dir={model_dir}"
-    )
+    returncode, output = launch_on_two_workers(*PIPELINE, *schedule, f"--model_dir={model_dir}")
     assert returncode == 0, output[-3000:]
     assert_same_run(model_dir, one_device_dir)
+    stages = read_metrics(model_dir)["run"]["split"]["stages"]
+    assert {"task:0" in stage["device"] for stage in stages} == {True, False}
 
 
 def test_a_users_model_under_adam_and_zb_h1_on_two_workers_trains_like_one_device(
