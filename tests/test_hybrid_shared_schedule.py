@@ -131,3 +131,30 @@ def test_stage_pieces_and_plain_calls_are_called_not_inlined():
         assert all(f.attr["_noinline"].b for f in called), [
             f.signature.name for f in called if not f.attr["_noinline"].b
         ]
+
+
+def test_evaluation_and_prediction_trace_the_forward_once_and_match_data1(monkeypatch):
+    traced = []
+    original = PipelineModel.call
+
+    def counted(self, *args, **kwargs):
+        traced.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PipelineModel, "call", counted)
+    x, y = regression_batches(1, 32)[0]
+    results = {}
+    weights = None
+    for mesh_text in ("data=1,pipe=2", "data=4,pipe=2"):
+        model = _hybrid(mesh_text)
+        model(x)
+        weights = model.get_weights() if weights is None else weights
+        model.set_weights(weights)
+        traced.clear()
+        loss = model.evaluate(x, y, batch_size=32, verbose=0)
+        predictions = model.predict(x, batch_size=32, verbose=0)
+        results[mesh_text] = (loss, predictions)
+        # Only replica 0's forward is traced (evaluation and prediction share its trace).
+        assert traced == [model.replicas[0]], mesh_text
+    np.testing.assert_allclose(results["data=4,pipe=2"][0], results["data=1,pipe=2"][0], 1e-6)
+    np.testing.assert_allclose(results["data=4,pipe=2"][1], results["data=1,pipe=2"][1], atol=1e-6)

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tfmulti.collectives.worker_sums import WorkerCollectives
 from tfmulti.compat.keras_whole_weights import variables_holding
-from tfmulti.hybrid.shared_schedule import SharedSchedule
+from tfmulti.hybrid.shared_schedule import SharedForward, SharedSchedule
 from tfmulti.pipeline.actions import Schedule
 from tfmulti.pipeline.runtime.executor import add_gradients
 from tfmulti.pipeline.runtime.grappler_iterations import OptimisedOnceSteps
@@ -111,6 +111,7 @@ class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, 
         self.num_data_replicas = len(self.replicas) * num_workers
         self._replicas_synced = False
         self._shared_schedule = SharedSchedule(self.replicas, loss_model=self)
+        self._shared_forward = SharedForward(self.replicas)
 
     def _use_xla(self, enabled: bool) -> None:
         """`compile(jit_compile=True)` compiles each copy's stages with XLA, each for its
@@ -161,8 +162,8 @@ class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, 
         parts = split_microbatches(inputs, microbatch_sizes(inputs, len(self.replicas)))
         return concat_microbatches(
             [
-                replica(part, training=training)
-                for replica, part in zip(self.replicas, parts, strict=True)
+                self._shared_forward.call(index, part, training=training)
+                for index, part in enumerate(parts)
             ]
         )
 

@@ -4,8 +4,10 @@ The first replica's schedule (its forwards, backwards and loss, as `run_schedule
 them) is traced once per input signature as a function of the replica's batch shard; every
 other replica calls a copy of that function moved onto its own devices and given its own
 variables (`remapped_functions.remapped_call`), so the step's trace does not grow with the
-data axis. A replica whose functions cannot be moved (an op on a device of no stage, or a
-variable that does not pair up with the first replica's) traces its own schedule, as before.
+data axis. Evaluation and prediction call the replicas' forward the same way
+(`SharedForward`). A replica whose functions cannot be moved (an op on a device of no
+stage, or a variable that does not pair up with the first replica's) traces its own, as
+before.
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ class _ReplicaBinding:
     devices: DeviceMap
     handles: dict[int, tf.Tensor]
     variables: dict[int, tf.Variable]
+    first_handles: set[int]
+
+    def covers(self, concrete) -> bool:
+        """Whether every variable of the first replica `concrete` captures has a pair."""
+        return all(
+            id(t) in self.handles for t in concrete.captured_inputs if id(t) in self.first_handles
+        )
 
 
 class SharedSchedule:
@@ -46,7 +55,7 @@ class SharedSchedule:
         # The variables of each trace's gradients, by the trace's graph (their order may
         # differ between traces).
         self._variables_of_trace: dict[object, list] = {}
-        self._bindings: dict[int, _ReplicaBinding | None] = {}
+        self._copies = _MovedCopies(replicas)
 
     def _first_schedule(self, x, y, sample_weight, rows_total, weight_sum, rows):
         result = self._replicas[0].run_schedule(
@@ -69,43 +78,84 @@ class SharedSchedule:
         if index == 0:
             outputs, losses, gradients = concrete(*args)
             return StepResult(outputs, losses, gradients, list(first_variables), None)
-        binding = self._binding(index, concrete)
-        if binding is None:
+        moved = self._copies.call(index, concrete, args)
+        if moved is None:
             return self._replicas[index].run_schedule(
                 x, y, sample_weight, loss_model=self._loss_model, totals=totals, rows=rows
             )
+        outputs, losses, gradients = moved
+        variables = [self._copies.variable(index, v) for v in first_variables]
+        return StepResult(outputs, losses, gradients, variables, None)
+
+
+class SharedForward:
+    """Runs `replicas`' forward (evaluation, prediction) through the first replica's traced
+    call, as `SharedSchedule` runs their training schedules."""
+
+    def __init__(self, replicas: list[PipelineModel]):
+        self._replicas = replicas
+        self._functions: dict[object, tf.types.experimental.PolymorphicFunction] = {}
+        self._copies = _MovedCopies(replicas)
+
+    def call(self, index: int, inputs, training=None):
+        """Replica `index` on `inputs`, as `replica(inputs, training=training)`."""
+        replica = self._replicas[index]
+        if not tf.inside_function():
+            return replica(inputs, training=training)
+        concrete = self._function(training).get_concrete_function(inputs)
+        if index == 0:
+            return concrete(inputs)
+        moved = self._copies.call(index, concrete, (inputs,))
+        return replica(inputs, training=training) if moved is None else moved
+
+    def _function(self, training):
+        if training not in self._functions:
+            first = self._replicas[0]
+
+            def first_replica_forward(inputs):
+                return first(inputs, training=training)
+
+            self._functions[training] = tf.function(first_replica_forward, autograph=False)
+        return self._functions[training]
+
+
+class _MovedCopies:
+    """Calls of the first replica's traced functions moved onto the other replicas."""
+
+    def __init__(self, replicas: list[PipelineModel]):
+        self._replicas = replicas
+        self._bindings: dict[int, _ReplicaBinding | None] = {}
+
+    def call(self, index: int, concrete, args: tuple):
+        """`concrete` (traced on replica 0) run by replica `index` on `args`; None when it
+        cannot be moved there (the replica then traces its own)."""
+        if index not in self._bindings:
+            self._bindings[index] = _bind(self._replicas[0], self._replicas[index])
+        binding = self._bindings[index]
+        if binding is None or not binding.covers(concrete):
+            return None
         captures = [binding.handles.get(id(t), t) for t in concrete.captured_inputs]
         try:
-            outputs, losses, gradients = remapped_call(
+            return remapped_call(
                 concrete, args, captures, binding.devices, tag=f"data_replica_{index}"
             )
         except UnmovableFunction:
-            self._bindings[index] = None
-            return self.run(index, x, y, sample_weight, totals, rows)
-        variables = [binding.variables[id(v)] for v in first_variables]
-        return StepResult(outputs, losses, gradients, variables, None)
+            return None
 
-    def _binding(self, index: int, concrete) -> _ReplicaBinding | None:
-        if index not in self._bindings:
-            self._bindings[index] = _bind(self._replicas[0], self._replicas[index], concrete)
-        return self._bindings[index]
+    def variable(self, index: int, first_variable: tf.Variable) -> tf.Variable:
+        """Replica `index`'s trainable variable in `first_variable`'s place."""
+        return self._bindings[index].variables[id(first_variable)]
 
 
-def _bind(first: PipelineModel, replica: PipelineModel, concrete) -> _ReplicaBinding | None:
-    """How `replica` calls `first`'s traced schedule; None when its stages' variables do not
-    pair up with `first`'s, or the schedule captures a variable of `first` not paired."""
+def _bind(first: PipelineModel, replica: PipelineModel) -> _ReplicaBinding | None:
+    """How `replica` calls `first`'s traced functions; None when its stages' variables do
+    not pair up with `first`'s or its devices do not map one to one."""
     handles: dict[int, tf.Tensor] = {}
     for first_stage, stage in zip(first.stages, replica.stages, strict=True):
         stage_handles = handle_map(first_stage, stage)
         if stage_handles is None:
             return None
         handles.update(stage_handles)
-    first_handles = {
-        id(variable.handle) for stage in first.stages for variable in held_variables(stage)
-    }
-    for captured in concrete.captured_inputs:
-        if id(captured) in first_handles and id(captured) not in handles:
-            return None
     try:
         devices = DeviceMap(list(zip(first.stage_devices, replica.stage_devices, strict=True)))
     except UnmovableFunction:
@@ -116,4 +166,7 @@ def _bind(first: PipelineModel, replica: PipelineModel, concrete) -> _ReplicaBin
             first.trainable_variables, replica.trainable_variables, strict=True
         )
     }
-    return _ReplicaBinding(devices, handles, variables)
+    first_handles = {
+        id(variable.handle) for stage in first.stages for variable in held_variables(stage)
+    }
+    return _ReplicaBinding(devices, handles, variables, first_handles)
