@@ -117,22 +117,6 @@ def test_a_device_cannot_move_to_two_places():
         DeviceMap([("/device:CPU:0", "/device:CPU:2"), ("/device:CPU:0", "/device:CPU:3")])
 
 
-def test_stage_pieces_and_plain_calls_are_called_not_inlined():
-    # Each is then optimised once per device, not once per call in the schedule.
-    model = _hybrid("data=2,pipe=2")
-    batch = tuple(tf.constant(part) for part in regression_batches(1, 16)[0])
-    model(batch[0])
-    for step_function in (model.train_step, model.test_step):
-        step = tf.function(step_function, autograph=False)
-        library = step.get_concrete_function(batch).graph.as_graph_def().library
-        called = [f for f in library.function if "piece" in f.signature.name]
-        called += [f for f in library.function if "lambda" in f.signature.name]
-        assert called
-        assert all(f.attr["_noinline"].b for f in called), [
-            f.signature.name for f in called if not f.attr["_noinline"].b
-        ]
-
-
 def test_evaluation_and_prediction_trace_the_forward_once_and_match_data1(monkeypatch):
     traced = []
     original = PipelineModel.call

@@ -24,7 +24,7 @@ from tfmulti.pipeline.runtime.shared_traces import (
     call_on_own_variables,
     handle_map,
 )
-from tfmulti.pipeline.stages.graph_cut import NOINLINE, GraphCut, ops_between
+from tfmulti.pipeline.stages.graph_cut import GraphCut, ops_between
 from tfmulti.platform.devices import variable_device
 
 
@@ -328,12 +328,10 @@ class StageFunctions:
             stage = self.stage
             if self.jit_compile:
                 refuse_xla_over_devices(stage)
-            # Called, not inlined, as the training pieces (graph_cut.NOINLINE).
             function = tf.function(
                 lambda stage_inputs: stage(stage_inputs, training=training),
                 autograph=False,
                 jit_compile=self.jit_compile,
-                experimental_attributes={NOINLINE: True},
             )
             self._calls[training] = function
         return function

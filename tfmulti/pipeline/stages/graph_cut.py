@@ -48,10 +48,6 @@ def ops_between(
     return ops, needs
 
 
-# FunctionDef attribute: call the function, do not paste its body into the caller's graph.
-NOINLINE = "_noinline"
-
-
 class GraphCut:
     """Makes functions out of pieces of one traced graph.
 
@@ -111,15 +107,7 @@ class GraphCut:
             with tf.control_dependencies(ran):
                 return [tf.identity(t) for t in results]
 
-        # Not inlined: the runtime optimises and instantiates a piece once per device it
-        # runs on, not once per call in the schedule (a step calls each piece at every
-        # micro-batch of its prologue, loop and epilogue; see docs/design/hybrid_startup.md).
-        function = tf.function(
-            piece,
-            autograph=False,
-            jit_compile=self.jit_compile,
-            experimental_attributes={NOINLINE: True},
-        )
+        function = tf.function(piece, autograph=False, jit_compile=self.jit_compile)
         return function.get_concrete_function(*[tf.TensorSpec(t.shape, t.dtype) for t in feeds])
 
     def _sub_graph_def(self, names: set):
