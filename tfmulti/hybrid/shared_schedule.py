@@ -26,7 +26,8 @@ from tfmulti.pipeline.runtime.shared_traces import handle_map, held_variables
 
 @dataclasses.dataclass
 class _ReplicaBinding:
-    """How replica `index` calls the first replica's traced schedule."""
+    """How one replica calls the first replica's traced functions on its own devices and
+    variables."""
 
     devices: DeviceMap
     handles: dict[int, tf.Tensor]
