@@ -8,6 +8,14 @@ import subprocess
 import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCH = os.path.join(REPO_ROOT, "scripts", "launch.py")
+
+
+def worker_program(name: str) -> str:
+    """The path of `tests/workers/<name>.py`, a program the launcher starts in tests."""
+    return os.path.join(REPO_ROOT, "tests", "workers", f"{name}.py")
+
+
 # The scripts import a user's modules (e.g. `--layout_map=user_layouts:mlp_layout_map`)
 # from PYTHONPATH; `tests/user_code` holds the tests' ones.
 USER_CODE_ENV = {

@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+from script_runner import LAUNCH, worker_program
 
 from tfmulti.platform.membership import (
     Change,
@@ -16,9 +17,7 @@ from tfmulti.platform.membership import (
     discovered_slots,
 )
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAUNCH = os.path.join(REPO_ROOT, "scripts", "launch.py")
-WORKER = os.path.join(REPO_ROOT, "tests", "workers", "elastic_worker.py")
+WORKER = worker_program("elastic_worker")
 
 
 def launch_command(launch_flags, worker_flags):

@@ -12,6 +12,7 @@ import sys
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from script_runner import LAUNCH, worker_program
 
 from tfmulti.platform import launcher
 from tfmulti.platform.slurm_nodes import (
@@ -23,9 +24,7 @@ from tfmulti.platform.slurm_nodes import (
     is_this_machine,
 )
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAUNCH = os.path.join(REPO_ROOT, "scripts", "launch.py")
-WORKER = os.path.join(REPO_ROOT, "tests", "workers", "elastic_worker.py")
+WORKER = worker_program("elastic_worker")
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 from tensorflow.core.framework import function_pb2
 from tensorflow.python.eager import context
+from tensorflow.python.eager.polymorphic_function import function_type_utils
 
 from tfmulti.compat.tf_internals import _private
 
@@ -92,7 +93,7 @@ def remapped_call(concrete, args: Sequence, captures: Sequence, devices: DeviceM
     moved = _moved_function(atomic, devices, tag)
     function_type = concrete.function_type
     canonicalize = _private(
-        _function_type_utils(), "canonicalize_function_inputs", "canonicalize_function_inputs"
+        function_type_utils, "canonicalize_function_inputs", "canonicalize_function_inputs"
     )
     flat_args = function_type.unpack_inputs(canonicalize(tuple(args), {}, function_type))
     return moved.call_preflattened(list(flat_args) + list(captures))
@@ -193,9 +194,3 @@ def _moved_definition(
 
 def _renamed(name: str, new_names: dict[bytes, bytes]) -> str:
     return new_names.get(name.encode(), name.encode()).decode()
-
-
-def _function_type_utils():
-    from tensorflow.python.eager.polymorphic_function import function_type_utils
-
-    return function_type_utils
