@@ -1,7 +1,9 @@
 """The planner's accuracy figures, its measured machine costs, and how they enter a step."""
 
+import dataclasses
 import json
 
+import numpy as np
 import pytest
 from script_runner import run_script
 
@@ -16,6 +18,7 @@ from tfmulti.planner.accuracy import (
 )
 from tfmulti.planner.machine import MachineCosts, step_uncertainty
 from tfmulti.planner.scoring import executed_actions, score_layout
+from tfmulti.planner.search import search_layouts
 from tfmulti.platform.mesh import HybridMesh
 
 
@@ -152,6 +155,47 @@ def test_allreduce_and_device_overlap_are_measured_on_logical_devices():
     serial = machine_benchmarks._serial_fraction(devices, spreads)
     assert 0.5 <= serial <= 1.0
     assert len(spreads) == 4 and all(spread >= 0 for spread in spreads)
+
+
+def test_a_models_own_overlap_is_measured_on_logical_devices_with_its_copies():
+    import keras
+    import tensorflow as tf
+
+    from tfmulti.planner import machine_benchmarks
+
+    devices = [device.name for device in tf.config.list_logical_devices("CPU")][:2]
+    built = []
+
+    def build():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(64), keras.layers.Dense(3)])
+        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        built.append(model)
+        return model
+
+    spreads = []
+    x, y = np.ones((16, 8), "float32"), np.zeros((16,), "int32")
+    serial = machine_benchmarks.model_serial_fraction(build, x, y, devices, spreads)
+    assert 0.5 <= serial <= 1.0 and len(spreads) == 2
+    # One copy per device, its weights placed there.
+    placed = [tf.DeviceSpec.from_string(model.weights[0].value.device) for model in built]
+    assert [spec.device_index for spec in placed] == [
+        tf.DeviceSpec.from_string(device).device_index for device in devices
+    ]
+
+
+def test_the_models_own_serial_fraction_replaces_the_machines_in_the_search():
+    hardware = Hardware(machine=MACHINE)
+    machine_only = search_layouts(_costs(), 4, 32, hardware)
+    own = search_layouts(dataclasses.replace(_costs(), serial_fraction=0.3), 4, 32, hardware)
+    data_parallel = [layout for layout in own if layout.mesh == HybridMesh(data=4)][0]
+    blocks = blocks_at(_costs(), 8, 1, hardware)
+    replica_work = sum(b.forward_time + b.backward_time for b in blocks)
+    assert data_parallel.pipeline_time == pytest.approx(max(0.3 * 4 * replica_work, replica_work))
+    assert min(layout.step_time for layout in own) < min(
+        layout.step_time for layout in machine_only
+    )
+    costs = dataclasses.replace(_costs(), serial_fraction=0.3)
+    assert ModelCosts.from_json(costs.to_json()) == costs
 
 
 def test_validate_json_reports_mape_kendall_tau_and_best_gap(tmp_path):

@@ -223,10 +223,15 @@ def _machine_costs():
     _start_tensorflow()
     from tfmulti.costing.cost_cache import CostCache
     from tfmulti.planner.machine_benchmarks import machine_costs
+
+    return machine_costs(_plan_devices(), CostCache(FLAGS.cost_cache), FLAGS.remeasure_machine)
+
+
+def _plan_devices() -> list[str]:
+    """The logical devices of one host the benchmarks run on (two at least)."""
     from tfmulti.platform.devices import logical_device_names
 
-    devices = logical_device_names()[: max(_devices_per_host(), 2)]
-    return machine_costs(devices, CostCache(FLAGS.cost_cache), FLAGS.remeasure_machine)
+    return logical_device_names()[: max(_devices_per_host(), 2)]
 
 
 def _model_costs(machine):
@@ -242,6 +247,7 @@ def _model_costs(machine):
         batch_sizes=[int(size) for size in sizes],
         seed=FLAGS.seed,
         machine=machine,
+        devices=_plan_devices() if machine is not None else (),
     )
     if is_function_reference(FLAGS.model):
         costs = measure_user_model_costs(FLAGS.model, FLAGS.dataset, **common)
@@ -275,7 +281,7 @@ def _layouts_to_validate(layouts, costs):
             baseline = layout
     if baseline is not None and baseline not in chosen:
         chosen.append(baseline)
-    return chosen
+    return sorted(chosen, key=lambda layout: layout.step_time)
 
 
 def _devices_description() -> str:
@@ -358,6 +364,7 @@ def _plan(argv: list[str]) -> None:
                 for m in measurements
             ],
             "machine_costs": hardware.machine.to_json() if hardware.machine else None,
+            "model_serial_fraction": costs.serial_fraction,
         }
         if figures is not None:
             output.update(figures.to_json())

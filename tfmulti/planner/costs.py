@@ -112,6 +112,10 @@ class ModelCosts:
         measured_batch_sizes: batch sizes the times were fitted from.
         timing_spread: the block timings' relative spread between rounds (interquartile
             range over median), the uncertainty they carry.
+        serial_fraction: the share of the devices' summed work on this model that runs
+            one after the other, measured with the model itself
+            (`machine_benchmarks.model_serial_fraction`); it replaces the machine's
+            figure, or None to keep that.
     """
 
     model: str
@@ -122,6 +126,7 @@ class ModelCosts:
     tensor_parallel_sizes: tuple[int, ...] = (1,)
     measured_batch_sizes: tuple[int, ...] = ()
     timing_spread: float = 0.0
+    serial_fraction: float | None = None
 
     def to_json(self) -> dict:
         """The cost file's JSON object."""
@@ -158,6 +163,7 @@ class ModelCosts:
                 tensor_parallel_sizes=tuple(data.get("tensor_parallel_sizes", (1,))),
                 measured_batch_sizes=tuple(data.get("measured_batch_sizes", ())),
                 timing_spread=float(data.get("timing_spread", 0.0)),
+                serial_fraction=data.get("serial_fraction"),
             )
         except (KeyError, TypeError) as error:
             raise ValueError(

@@ -263,23 +263,62 @@ def _allreduce_costs(devices: list[str], spreads: list[float]) -> tuple[float, f
 def _serial_fraction(devices: list[str], spreads: list[float]) -> float:
     """Time of the same matrix products on every device at once over n times one device's:
     1 when the devices' work runs one after the other, 1/n when fully in parallel."""
-    if len(devices) < 2:
-        return 1.0 / len(devices)
     inputs = []
     for device in devices:
         with tf.device(device):
             inputs.append(tf.random.stateless_normal((192, 192), seed=(1, 2)))
 
-    def chains(count):
+    def matrix_chain(index):
+        value = matrix = inputs[index]
+        for _ in range(24):
+            value = tf.tanh(tf.matmul(value, matrix))
+        return tf.reduce_sum(value)
+
+    return overlap_fraction(devices, matrix_chain, spreads)
+
+
+def model_serial_fraction(build, x, y, devices: list[str], spreads: list[float]) -> float:
+    """The serial fraction of a model's own work: its forward and backward pass on `x`
+    (a copy on each device) on every device at once, over n times one device's. Small
+    ops overlap less than the benchmark's matrix products, so a model's figure is the one
+    its layouts meet.
+
+    Args:
+        build: returns the compiled model (called once per device, under that device).
+        x, y: one device's batch and its targets.
+        devices: the logical devices.
+        spreads: the timing's relative spread is appended here.
+    """
+    copies = []
+    for device in devices:
+        with tf.device(device):
+            copies.append((build(), tf.constant(x), tf.constant(y)))
+
+    def forward_and_backward(index):
+        model, inputs, labels = copies[index]
+        with tf.GradientTape() as tape:
+            predicted = model(inputs, training=True)
+            value = model.compute_loss(x=inputs, y=labels, y_pred=predicted)
+        gradients = tape.gradient(value, model.trainable_variables)
+        return tf.add_n([tf.reduce_sum(gradient) for gradient in gradients])
+
+    return overlap_fraction(devices, forward_and_backward, spreads)
+
+
+def overlap_fraction(devices: list[str], work, spreads: list[float]) -> float:
+    """Seconds of `work(i)` on every device i at once over n times its seconds on device
+    0 alone, within [1/n, 1]: 1 when the devices' work runs one after the other, 1/n when
+    fully in parallel. `work(i)` builds device i's ops and returns a scalar tensor."""
+    if len(devices) < 2:
+        return 1.0 / len(devices)
+
+    def timed(count):
         @tf.function
         def run():
             results = []
-            for device, matrix in zip(devices[:count], inputs[:count], strict=True):
+            for index, device in enumerate(devices[:count]):
                 with tf.device(device):
-                    value = matrix
-                    for _ in range(24):
-                        value = tf.tanh(tf.matmul(value, matrix))
-                    results.append(tf.reduce_sum(value))
+                    results.append(work(index))
             return results
 
         run()
@@ -290,6 +329,6 @@ def _serial_fraction(devices: list[str], spreads: list[float]) -> float:
             samples.append(time.perf_counter() - start)
         return _median_and_spread(samples, spreads)
 
-    one = chains(1)
-    every = chains(len(devices))
+    one = timed(1)
+    every = timed(len(devices))
     return min(max(every / (len(devices) * one), 1.0 / len(devices)), 1.0)

@@ -44,6 +44,7 @@ def measure_model_costs(
     seed: int = 0,
     rounds: int = 3,
     machine: MachineCosts | None = None,
+    devices: Sequence[str] = (),
 ) -> ModelCosts:
     """Times every block of reference model `model` on `dataset` at each of `batch_sizes`.
 
@@ -60,6 +61,8 @@ def measure_model_costs(
         machine: the machine's measured framework costs; when given, the blocks are
             scaled to add up to the model's measured one-device step less the
             framework's cost of that step (`MachineCosts.step_seconds`).
+        devices: with `machine` and two or more devices, the model's own serial fraction
+            is measured over them (`ModelCosts.serial_fraction`).
 
     Returns:
         The `ModelCosts`, ready for `search_layouts` or `save_costs`.
@@ -105,18 +108,18 @@ def measure_model_costs(
                 variables=variables[index],
             )
         )
+    serial_fraction = None
     if machine is not None:
-        costs = scaled_to_step(
-            costs,
-            _one_device_step(
-                lambda: registry.build_model(
-                    model, info.input_shape, info.num_classes, seed, **model_options
-                ),
-                source.x_train,
-                source.y_train,
-                batch_sizes,
-            ),
-            machine.step_seconds(sum(variables)),
+
+        def build():
+            return registry.build_model(
+                model, info.input_shape, info.num_classes, seed, **model_options
+            )
+
+        step = _one_device_step(build, source.x_train, source.y_train, batch_sizes)
+        costs = scaled_to_step(costs, step, machine.step_seconds(sum(variables)))
+        serial_fraction = _model_serial_fraction(
+            build, source.x_train, source.y_train, batch_sizes[-1], devices
         )
     return ModelCosts(
         model=model,
@@ -126,6 +129,7 @@ def measure_model_costs(
         blocks=tuple(costs),
         tensor_parallel_sizes=_tensor_parallel_sizes(model, blocks),
         measured_batch_sizes=tuple(batch_sizes),
+        serial_fraction=serial_fraction,
     )
 
 
@@ -137,6 +141,17 @@ def _built_variable_counts(blocks, sample_input) -> list[int]:
     return [len(block.trainable_variables) for block in blocks]
 
 
+def _compiled(build):
+    """`build()`, compiled as train.py trains a model its function did not compile."""
+    import keras
+
+    model = build()
+    if not getattr(model, "compiled", False) or model.loss is None:
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model.compile(optimizer="adam", loss=loss)
+    return model
+
+
 def _one_device_step(build, x, y, batch_sizes) -> AffineTime:
     """The model's one-device training step (median of steps, the sizes' steps
     interleaved), fitted over batch size."""
@@ -144,17 +159,20 @@ def _one_device_step(build, x, y, batch_sizes) -> AffineTime:
 
     from tfmulti.planner.machine_benchmarks import interleaved_step_seconds
 
-    def compiled():
-        model = build()
-        if not getattr(model, "compiled", False) or model.loss is None:
-            # What train.py trains a model with that its function did not compile.
-            loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-            model.compile(optimizer="adam", loss=loss)
-        return model
-
     keras.utils.set_random_seed(0)
-    runs = [(compiled, x[:size], y[:size]) for size in batch_sizes]
+    runs = [(lambda: _compiled(build), x[:size], y[:size]) for size in batch_sizes]
     return AffineTime.fit(batch_sizes, interleaved_step_seconds(runs, []))
+
+
+def _model_serial_fraction(build, x, y, batch: int, devices: Sequence[str]) -> float | None:
+    """The model's serial fraction over `devices` (None for fewer than two), each device
+    running its share of `batch` (the global batch spread over the devices)."""
+    from tfmulti.planner.machine_benchmarks import model_serial_fraction
+
+    if len(devices) < 2:
+        return None
+    rows = max(1, batch // len(devices))
+    return model_serial_fraction(lambda: _compiled(build), x[:rows], y[:rows], list(devices), [])
 
 
 def scaled_to_step(
@@ -215,6 +233,7 @@ def measure_user_model_costs(
     batch_sizes: Sequence[int] = (8, 64),
     seed: int = 0,
     machine: MachineCosts | None = None,
+    devices: Sequence[str] = (),
 ) -> ModelCosts:
     """Times every call of the functional model `model()` returns, as `from_model` cuts it.
 
@@ -225,7 +244,7 @@ def measure_user_model_costs(
         data_path: the file(s) of an "npz" or "tfrecord" dataset.
         batch_sizes: two batch sizes, smallest first; times are fitted through both.
         seed: data.
-        machine: as for `measure_model_costs`.
+        machine, devices: as for `measure_model_costs`.
 
     Returns:
         `ModelCosts` with one block per call, named by the call (what
@@ -273,12 +292,18 @@ def measure_user_model_costs(
                 else 0,
             )
         )
+    serial_fraction = None
     if machine is not None:
-        step = _one_device_step(
-            lambda: function(**model_options), examples, source.y_train, batch_sizes
-        )
+
+        def build():
+            return function(**model_options)
+
+        step = _one_device_step(build, examples, source.y_train, batch_sizes)
         costs = scaled_to_step(
             costs, step, machine.step_seconds(sum(block.variables for block in costs))
+        )
+        serial_fraction = _model_serial_fraction(
+            build, examples, source.y_train, batch_sizes[-1], devices
         )
     return ModelCosts(
         model=model,
@@ -287,4 +312,5 @@ def measure_user_model_costs(
         data_path=data_path,
         blocks=tuple(costs),
         measured_batch_sizes=tuple(batch_sizes),
+        serial_fraction=serial_fraction,
     )

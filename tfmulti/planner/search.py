@@ -11,6 +11,7 @@ Over several hosts, each mesh is scored once for every axis that can cross the h
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -77,7 +78,9 @@ def search_layouts(
         costs: the model's block costs.
         num_devices: devices to lay out, over all hosts.
         global_batch: examples per step over all replicas.
-        hardware: bandwidth, parameter-state bytes and memory per device.
+        hardware: bandwidth, parameter-state bytes and memory per device; the model's
+            own serial fraction (`costs.serial_fraction`), when measured, replaces its
+            machine's.
         allow_fewer_devices: also consider meshes of a divisor of `num_devices`.
         max_microbatches: largest micro-batch count tried.
         max_chunks: largest chunk count tried for interleaved 1F1B.
@@ -94,6 +97,9 @@ def search_layouts(
             "The devices must split evenly over the hosts. "
             f"Received: num_devices={num_devices}, hosts={hosts}"
         )
+    if hardware.machine is not None and costs.serial_fraction is not None:
+        machine = dataclasses.replace(hardware.machine, serial_fraction=costs.serial_fraction)
+        hardware = dataclasses.replace(hardware, machine=machine)
     blocks_for = functools.lru_cache(maxsize=None)(
         lambda microbatch_size, tensor: tuple(blocks_at(costs, microbatch_size, tensor, hardware))
     )

@@ -59,18 +59,27 @@ class Measurement:
 
 
 def distinct_layouts(layouts: Sequence[Layout], count: int) -> list[Layout]:
-    """The best `count` layouts of different kinds, in ranked order: a kind is a mesh, its
-    hosts and the axis across them, and what its pipeline devices run (chunk placement and
-    per-device actions), so schedules that build the same actions (gpipe and 1f1b, or
-    zb_h1 and zb_h2, at one micro-batch) count once."""
-    chosen, seen = [], set()
+    """The best `count` layouts of different kinds: first the best of each mesh (so a check
+    compares data, pipeline, tensor and hybrid layouts, the choice a user makes, rather
+    than near-ties of one mesh), then the next best kinds, all in ranked order. A kind is
+    a mesh, its hosts and the axis across them, and what its pipeline devices run (chunk
+    placement and per-device actions), so schedules that build the same actions (gpipe
+    and 1f1b, or zb_h1 and zb_h2, at one micro-batch) count once."""
+    kinds, seen = [], set()
     for layout in layouts:
         kind = (layout.mesh, layout.hosts, layout.cross_host_axis, layout.chunks)
         kind += (_actions_run(layout),)
         if kind not in seen:
             seen.add(kind)
-            chosen.append(layout)
-    return chosen[:count]
+            kinds.append(layout)
+    meshes, best_of_mesh = set(), []
+    for layout in kinds:
+        mesh = (layout.mesh, layout.hosts, layout.cross_host_axis)
+        if mesh not in meshes:
+            meshes.add(mesh)
+            best_of_mesh.append(layout)
+    rest = [layout for layout in kinds if layout not in best_of_mesh]
+    return (best_of_mesh + rest)[:count]
 
 
 def _actions_run(layout: Layout) -> tuple | None:
