@@ -34,7 +34,7 @@ format: venv
 	$(BIN)/ruff check --fix .
 
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --timeout=900 --durations=15 tests
+	$(BIN)/python -m pytest -q -n 2 --timeout=900 --durations=40 tests
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -74,6 +74,13 @@ flags.register_validator(
 flags.register_validator(
     "schedules", lambda names: set(names) <= set(SCHEDULE_NAMES), f"must be among {SCHEDULE_NAMES}"
 )
+flags.register_multi_flags_validator(
+    ["microbatches", "batch_size"],
+    lambda values: all(values["batch_size"] % int(m) == 0 for m in values["microbatches"]),
+    "--batch_size must be a multiple of every --microbatches count: each micro-batch holds "
+    "its devices for its rows' time, and the simulator assumes equal micro-batches (e.g. "
+    "--microbatches=8,16,32 --batch_size=64)",
+)
 FLAGS = flags.FLAGS
 
 

@@ -213,6 +213,14 @@ def test_benchmark_parallel_records_mlp_llama_and_tensor_reduce(tmp_path):
     assert _finite_positive(*reduce["step_ms"].values())
 
 
+def test_benchmark_pipeline_refuses_micro_batches_that_do_not_split_the_batch():
+    # With 16 rows, 32 micro-batches would hold 1 row each (16 of them empty) and measure
+    # twice what the simulator's equal micro-batches take.
+    result = run_script("benchmark_pipeline.py", "--microbatches=8,32", "--batch_size=16")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "--batch_size must be a multiple of every --microbatches count" in result.stderr
+
+
 def test_benchmark_pipeline_records_fidelity_memory_and_compute_and_draws_them(tmp_path):
     out, plot = tmp_path / "pipeline.json", tmp_path / "pipeline.png"
     stdout = _ran(run_script(*RUNS["benchmark_pipeline"], f"--out={out}", f"--plot={plot}"))

@@ -5,6 +5,7 @@ one device's weights with recomputation, mixed precision, uneven batches, a whol
 by `PipelineModel.from_model`, on a hybrid mesh, and from `scripts/train.py`.
 """
 
+import keras
 import numpy as np
 import pytest
 from pipeline_graph_models import regression_data, skip_model
@@ -21,6 +22,7 @@ from pipeline_runtime_models import (
     optimizer_named,
     regression_batches,
     residual_stages,
+    token_transformer_and_stages,
     train_pipeline_and_chain,
 )
 from script_runner import TWO_EPOCHS, assert_same_training, read_metrics, run_script
@@ -120,6 +122,24 @@ def test_zbv_trains_to_the_weights_of_one_device(num_devices, num_microbatches, 
     assert moved > 1e-3
     assert max_weight_difference(reference, pipeline) < 1e-5
     np.testing.assert_allclose(pipeline_loss, reference_loss, rtol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_the_reference_transformer_at_16_micro_batches_trains_like_the_whole_model(schedule):
+    # Four stages over two devices in V order, 2 rows a micro-batch, Adam, sparse
+    # embedding gradients: the whole model's weights after three steps.
+    (x, y), loss, whole, stages = token_transformer_and_stages(num_layers=2, num_stages=4)
+    whole.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+    pipeline = PipelineModel(stages, logical_device_names("CPU")[:2], 16, schedule)
+    pipeline.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+    pipeline(x)
+    assert pipeline.schedule.name == schedule and pipeline.schedule.stage_devices == (0, 1, 1, 0)
+    for _ in range(3):
+        whole_loss = whole.train_on_batch(x, y)
+        pipeline_loss = pipeline.train_on_batch(x, y)
+    np.testing.assert_allclose(pipeline_loss, whole_loss, rtol=1e-5)
+    for expected, actual in zip(whole.get_weights(), pipeline.get_weights(), strict=True):
+        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("num_devices, num_microbatches", [(2, 8), (4, 16)])

@@ -160,8 +160,8 @@ flags.DEFINE_bool("json", False, "Print a JSON object instead of the table.")
 flags.DEFINE_integer(
     "validate",
     0,
-    "Also train the best N layouts of different (mesh, schedule) with scripts/train.py "
-    "and print predicted against measured step time.",
+    "Also train N layouts with scripts/train.py (the best of each mesh first, then the "
+    "next best of other kinds) and print predicted against measured step time.",
     lower_bound=0,
 )
 flags.DEFINE_integer("validate_repeats", 2, "Runs of each layout; the fastest counts.", 1)
