@@ -65,20 +65,15 @@ def distinct_layouts(layouts: Sequence[Layout], count: int) -> list[Layout]:
     a mesh, its hosts and the axis across them, and what its pipeline devices run (chunk
     placement and per-device actions), so schedules that build the same actions (gpipe
     and 1f1b, or zb_h1 and zb_h2, at one micro-batch) count once."""
-    kinds, seen = [], set()
+    best_of_mesh, rest, kinds, meshes = [], [], set(), set()
     for layout in layouts:
-        kind = (layout.mesh, layout.hosts, layout.cross_host_axis, layout.chunks)
-        kind += (_actions_run(layout),)
-        if kind not in seen:
-            seen.add(kind)
-            kinds.append(layout)
-    meshes, best_of_mesh = set(), []
-    for layout in kinds:
         mesh = (layout.mesh, layout.hosts, layout.cross_host_axis)
-        if mesh not in meshes:
-            meshes.add(mesh)
-            best_of_mesh.append(layout)
-    rest = [layout for layout in kinds if layout not in best_of_mesh]
+        kind = (*mesh, layout.chunks, _actions_run(layout))
+        if kind in kinds:
+            continue
+        kinds.add(kind)
+        (rest if mesh in meshes else best_of_mesh).append(layout)
+        meshes.add(mesh)
     return (best_of_mesh + rest)[:count]
 
 
