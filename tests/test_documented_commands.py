@@ -60,10 +60,6 @@ EXCLUDED = {
 }
 # A command whose shrunk run equals an earlier one's: it runs once, as the earlier one.
 SAME_RUN = {
-    ".venv/bin/python scripts/benchmark_parallel.py --sections=mesh3d": (
-        ".venv/bin/python scripts/benchmark_parallel.py --sections=mesh3d "
-        "--meshes=data=2,pipe=2,tensor=2 --meshes=data=1,pipe=2,tensor=4 --out=/tmp/mesh3d.json"
-    ),
     "python scripts/plan.py --model_option=num_layers=4 --model_option=d_model=128 "
     "--devices=2 --allow_fewer_devices --validate=4": (
         "python scripts/plan.py --devices=2 --allow_fewer_devices --validate=4"
@@ -80,6 +76,11 @@ RUN_BY_SCRIPT_TESTS = {
     ".venv/bin/python scripts/benchmark_parallel.py --out=/tmp/tp.json": "benchmark_parallel",
     ".venv/bin/python scripts/benchmark_parallel.py --sections=keras_llama "
     "--llama_ways=1,2,4,2x4": "benchmark_parallel",
+    ".venv/bin/python scripts/benchmark_parallel.py --sections=mesh3d": "benchmark_parallel",
+    ".venv/bin/python scripts/benchmark_parallel.py --sections=mesh3d "
+    "--meshes=data=2,pipe=2,tensor=2 --meshes=data=1,pipe=2,tensor=4 --out=/tmp/mesh3d.json": (
+        "benchmark_parallel"
+    ),
 }
 
 PATH_FLAGS = ("out", "plot", "model_dir", "save_costs", "costs", "validate_dir")

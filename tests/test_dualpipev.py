@@ -148,32 +148,28 @@ def test_dualpipev_run_as_f_then_b_idles_twice_zbv_and_holds_one_chunk_more():
         assert dualpipev.peak_activations == (2 * p + 1,) * p, (p, m)
 
 
-EQUALITY_GRID = [
-    (num_devices, num_microbatches, optimizer)
-    for num_devices, num_microbatches in ((2, 4), (2, 8), (4, 8))
-    for optimizer in ("sgd", "adam")
-]
+# The 2 and 4 devices, 4, 8 and 16 micro-batches (at least 2p), SGD and Adam: each
+# value, and each device count with both optimizers, without the whole product (test_zbv's
+# reference transformer adds 16 micro-batches on 2 devices with Adam). 32 rows: two a
+# micro-batch at 16.
+EQUALITY_CASES = [(2, 4, "sgd"), (2, 8, "adam"), (4, 8, "sgd"), (4, 16, "adam")]
+# Where the steps overlap, the traced step holds one loop, not one copy per micro-batch.
+ONE_LOOP = {(2, 8), (4, 16)}
 
 
-@pytest.mark.parametrize("num_devices, num_microbatches, optimizer", EQUALITY_GRID)
+@pytest.mark.parametrize("num_devices, num_microbatches, optimizer", EQUALITY_CASES)
 def test_dualpipev_trains_to_the_weights_of_one_device(num_devices, num_microbatches, optimizer):
     reference, pipeline, initial, reference_loss, pipeline_loss = train_pipeline_and_chain(
-        dense_stages, num_devices, num_microbatches, "dualpipev", 2, optimizer
+        dense_stages, num_devices, num_microbatches, "dualpipev", 2, optimizer, batch_size=32
     )
     assert pipeline.schedule.name == "dualpipev"
     moved = max(np.abs(a - b).max() for a, b in zip(initial, pipeline.get_weights(), strict=True))
     assert moved > 1e-3
     assert max_weight_difference(reference, pipeline) < 1e-5
     np.testing.assert_allclose(pipeline_loss, reference_loss, rtol=1e-5)
-
-
-@pytest.mark.parametrize("num_devices, num_microbatches", [(2, 8), (4, 16)])
-def test_dualpipev_steady_state_runs_as_one_loop(num_devices, num_microbatches):
-    _, pipeline, _, _, _ = train_pipeline_and_chain(
-        dense_stages, num_devices, num_microbatches, "dualpipev", 2, "sgd", steps=1, batch_size=32
-    )
-    x, y = regression_batches(1, 32)[0]
-    assert loops_in_step(pipeline, x, y) == 1
+    if (num_devices, num_microbatches) in ONE_LOOP:
+        x, y = regression_batches(1, 32)[0]
+        assert loops_in_step(pipeline, x, y) == 1
 
 
 # A hybrid mesh pipelines each of its two data replicas over pipe=2 devices.

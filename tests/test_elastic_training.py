@@ -19,18 +19,19 @@ from script_runner import model_weights, read_metrics, run_script, start_launche
 from test_elastic_launcher import write_slots
 from test_exact_resume import final_weights
 
-# Divisible by 3 and by 2 workers of one replica each.
+# Divisible by 3 and by 2 workers of one replica each. 20 steps an epoch, a step checkpoint
+# every 5: a kill after checkpoint 10 lands mid-epoch 1, after 30 mid-epoch 2.
 FLAGS = (
     "--model=mlp",
     "--dataset=digits",
     "--batch_size=24",
-    "--steps_per_epoch=40",
+    "--steps_per_epoch=20",
     "--validation_steps=4",
     "--epochs=3",
     "--optimizer=sgd",
     "--learning_rate=0.1",
     "--log_steps=0",
-    "--checkpoint_steps=10",
+    "--checkpoint_steps=5",
 )
 
 
@@ -98,25 +99,29 @@ def tensorboard_worker_counts(model_dir) -> list[tuple[int, int]]:
     return sorted(counts)
 
 
-def one_device_run(tmp_path) -> str:
-    reference_dir = str(tmp_path / "one_device")
-    reference = run_script(
-        "train.py", *FLAGS, "--strategy=one_device", f"--model_dir={reference_dir}"
-    )
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    return reference_dir
+@pytest.fixture(scope="module")
+def one_device_run(shared_dir) -> str:
+    """The uninterrupted run on one device, which every elastic run must end like."""
+
+    def fill(reference_dir: str) -> None:
+        reference = run_script(
+            "train.py", *FLAGS, "--strategy=one_device", f"--model_dir={reference_dir}"
+        )
+        assert reference.returncode == 0, reference.stderr[-3000:]
+
+    return shared_dir("elastic-one_device", fill)
 
 
 def test_a_slot_killed_until_dropped_leaves_2_workers_that_end_like_the_uninterrupted_run(
-    tmp_path,
+    tmp_path, one_device_run
 ):
     model_dir = str(tmp_path / "run")
     launcher = launch_elastic(
         model_dir, "--num_workers=2:3", "--max_restarts_per_worker=1", "--max_restarts=1"
     )
     try:
-        first = kill_slot_once_checkpointed(launcher, model_dir, "slot2", 30)
-        kill_slot_once_checkpointed(launcher, model_dir, "slot2", 60, spare=first)
+        first = kill_slot_once_checkpointed(launcher, model_dir, "slot2", 10)
+        kill_slot_once_checkpointed(launcher, model_dir, "slot2", 30, spare=first)
         output, _ = launcher.communicate(timeout=300)
     finally:
         launcher.kill()
@@ -138,7 +143,7 @@ def test_a_slot_killed_until_dropped_leaves_2_workers_that_end_like_the_uninterr
         ["slot0", "slot1"],
         ["slot2"],
     )
-    assert shrunk["global_step"] >= 60
+    assert shrunk["global_step"] >= 30
     assert (
         f"Membership changed: slot2 left; now 2 workers; resuming at epoch {shrunk['epoch']}, "
         f"step {shrunk['step']} (global step {shrunk['global_step']})" in output
@@ -146,16 +151,16 @@ def test_a_slot_killed_until_dropped_leaves_2_workers_that_end_like_the_uninterr
     assert metrics["run"]["num_replicas"] == 2  # the record of the last start
     counts = tensorboard_worker_counts(model_dir)
     assert counts[0] == (0, 3) and counts[-1] == (shrunk["global_step"], 2), counts
-    assert_ends_like(model_dir, one_device_run(tmp_path))
+    assert_ends_like(model_dir, one_device_run)
 
 
 def test_below_min_the_job_stops_in_one_line_keeping_its_checkpoints_and_resume_continues(
-    tmp_path,
+    tmp_path, one_device_run
 ):
     model_dir = str(tmp_path / "run")
     launcher = launch_elastic(model_dir, "--num_workers=2", "--max_restarts_per_worker=0")
     try:
-        kill_slot_once_checkpointed(launcher, model_dir, "slot1", 30)
+        kill_slot_once_checkpointed(launcher, model_dir, "slot1", 10)
         output, _ = launcher.communicate(timeout=300)
     finally:
         launcher.kill()
@@ -165,14 +170,14 @@ def test_below_min_the_job_stops_in_one_line_keeping_its_checkpoints_and_resume_
         "launch: 1 worker slot(s) left (slot0), fewer than --num_workers=2 needs; stopped "
         "(the run's checkpoints are kept: start it again with --resume to continue)"
     )
-    assert os.path.exists(os.path.join(model_dir, "backup", f"step-{30:09d}.json"))
+    assert os.path.exists(os.path.join(model_dir, "backup", f"step-{10:09d}.json"))
 
     resumed = launch_elastic(model_dir, "--num_workers=2", train_flags=("--resume",))
     output, _ = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, output[-3000:]
     (after_stop,) = read_metrics(model_dir)["resumes"]
-    assert after_stop["epoch"] == 1 and after_stop["step"] >= 30
-    assert_ends_like(model_dir, one_device_run(tmp_path))
+    assert after_stop["epoch"] == 1 and after_stop["step"] >= 10
+    assert_ends_like(model_dir, one_device_run)
 
 
 def wait_for(condition, launcher, what):
@@ -194,7 +199,7 @@ def started_sizes(model_dir) -> list[int]:
 
 
 def test_a_slot_leaving_then_rejoining_the_list_goes_3_2_3_and_ends_like_the_uninterrupted_run(
-    tmp_path,
+    tmp_path, one_device_run
 ):
     model_dir, hosts = str(tmp_path / "run"), tmp_path / "slots"
     hosts.write_text("a\nb\nc\n")
@@ -203,11 +208,11 @@ def test_a_slot_leaving_then_rejoining_the_list_goes_3_2_3_and_ends_like_the_uni
     )
     backup = os.path.join(model_dir, "backup")
     try:
-        wait_for(lambda: os.path.exists(f"{backup}/step-{30:09d}.json"), launcher, "step 30")
+        wait_for(lambda: os.path.exists(f"{backup}/step-{10:09d}.json"), launcher, "step 10")
         write_slots(hosts, ["a", "b"])
         wait_for(lambda: started_sizes(model_dir) == [3, 2], launcher, "the shrink")
         resumed_at = read_metrics(model_dir)["membership"][-1]["global_step"]
-        next_save = (resumed_at // 10 + 1) * 10
+        next_save = (resumed_at // 5 + 1) * 5
         wait_for(lambda: os.path.exists(f"{backup}/step-{next_save:09d}.json"), launcher, "a save")
         write_slots(hosts, ["a", "b", "c"])
         output, _ = launcher.communicate(timeout=300)
@@ -219,10 +224,10 @@ def test_a_slot_leaving_then_rejoining_the_list_goes_3_2_3_and_ends_like_the_uni
     metrics = read_metrics(model_dir)
     assert [entry["workers"] for entry in metrics["membership"]] == [3, 2, 3]
     assert metrics["membership"][2]["joined"] == ["c"]
-    assert_ends_like(model_dir, one_device_run(tmp_path))
+    assert_ends_like(model_dir, one_device_run)
 
 
-def test_a_hybrid_mesh_that_loses_a_worker_goes_on_along_its_data_axis(tmp_path):
+def test_a_hybrid_mesh_that_loses_a_worker_goes_on_along_its_data_axis(tmp_path, one_device_run):
     # 2 workers x 2 devices hold data=2,pipe=2; the one left holds data=1,pipe=2.
     model_dir = str(tmp_path / "run")
     launcher = start_launched_training(
@@ -237,7 +242,7 @@ def test_a_hybrid_mesh_that_loses_a_worker_goes_on_along_its_data_axis(tmp_path)
         ),
     )
     try:
-        kill_slot_once_checkpointed(launcher, model_dir, "slot1", 50)
+        kill_slot_once_checkpointed(launcher, model_dir, "slot1", 30)
         output, _ = launcher.communicate(timeout=300)
     finally:
         launcher.kill()
@@ -247,4 +252,4 @@ def test_a_hybrid_mesh_that_loses_a_worker_goes_on_along_its_data_axis(tmp_path)
     assert [entry["workers"] for entry in metrics["membership"]] == [2, 1]
     assert metrics["run"]["num_replicas"] == 1  # data=1,pipe=2 after the shrink
     # A hybrid model's epoch checkpoint is the plain model's weights file.
-    assert_ends_like(model_dir, one_device_run(tmp_path), weights=model_weights)
+    assert_ends_like(model_dir, one_device_run, weights=model_weights)

@@ -3,8 +3,10 @@ what it promises: JSON that parses, with sane keys and values, and valid PNG pic
 
 `train.py`, `launch.py` and `plan_pipeline.py` have files of their own, and `plan.py`
 measures, saves, validates and prints JSON as docs/guide/hybrid_and_planner.md shows it, in
-test_documented_commands.py (MAIN_PATH_TESTS); this file runs the benchmarks. The
-`mesh3d` section of benchmark_parallel.py runs as BUILD.md documents it.
+test_documented_commands.py (MAIN_PATH_TESTS); this file runs the benchmarks, and the
+documented benchmark commands run here, in these runs (RUNS): benchmark_parallel.py's
+takes its `mesh3d` section too, as BUILD.md and docs/design/tensor_parallel_traffic.md
+show it, rather than starting TensorFlow in a process of its own for it.
 """
 
 import glob
@@ -115,6 +117,7 @@ RUNS = {
         "benchmark_parallel.py",
         "--sections=mlp",
         "--sections=keras_llama",
+        "--sections=mesh3d",
         "--sections=tensor_reduce",
         *SMALLEST["benchmark_parallel.py"],
     ),
@@ -194,21 +197,32 @@ def test_benchmark_dp_prints_its_overhead_ratio_and_writes_it(tmp_path):
         assert set(result[key]) == {"tfmulti", "handwritten"}
 
 
-def test_benchmark_parallel_records_mlp_llama_and_tensor_reduce(tmp_path):
+def test_benchmark_parallel_records_mlp_llama_mesh3d_and_tensor_reduce(tmp_path):
     out = tmp_path / "parallel.json"
-    stdout = _ran(run_script(*RUNS["benchmark_parallel"], f"--out={out}"))
+    # Its mesh3d section trains in a process of its own: longer than run_script's default.
+    stdout = _ran(run_script(*RUNS["benchmark_parallel"], f"--out={out}", timeout=900))
 
     *lines, records = json_values(stdout)
     assert lines == records == json.loads(out.read_text())
     kinds = [record["benchmark"] for record in records]
-    assert kinds == ["parallel_mlp"] + ["keras_model_parallel_llama"] * 2 + ["tensor_reduce"]
-    mlp, llama_one, llama_two, reduce = records
+    assert kinds == [
+        "parallel_mlp",
+        *["keras_model_parallel_llama"] * 2,
+        "mesh3d",
+        "tensor_reduce",
+    ]
+    mlp, llama_one, llama_two, mesh3d, reduce = records
     assert mlp["communication_bytes_per_step"]["equal"]
     assert _finite_positive(mlp["speedup"], *mlp["step_ms"].values())
     assert len(llama_one["variable_bytes_per_device"]) == 1
     assert len(llama_two["variable_bytes_per_device"]) == 2
     # Sharded over two devices, no device holds the whole model.
     assert llama_two["max_variable_bytes_on_a_device"] < llama_one["max_variable_bytes_on_a_device"]
+    # The planner's best layout of the mesh, trained by scripts/train.py.
+    assert mesh3d["mesh"] == "data=2,pipe=2,tensor=2" and mesh3d["error"] is None
+    assert _finite_positive(mesh3d["predicted_step_seconds"], mesh3d["measured_step_seconds"])
+    assert _finite_positive(*mesh3d["split_blocks_bytes_per_step"].values())
+    assert _finite_positive(*mesh3d["embedding_bytes_per_step"].values())
     assert set(reduce["collective_over_ring"]) == {"blocks", "all_reduce"}
     assert _finite_positive(*reduce["step_ms"].values())
 

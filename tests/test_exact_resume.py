@@ -13,18 +13,21 @@ import numpy as np
 import pytest
 from script_runner import REPO_ROOT, USER_CODE_ENV, read_metrics, run_script
 
-# Long epochs with step checkpoints, so a kill lands well inside an epoch.
+# Step checkpoints every 3 steps in epochs of 20: a kill after the first (or second) one
+# lands well inside epoch 1, with steps left for the resumed run to train.
+STEPS_PER_EPOCH = 20
+CHECKPOINT_STEPS = 3
 RUN = (
     "--model=mlp",
     "--dataset=digits",
     "--batch_size=32",
-    "--steps_per_epoch=40",
+    f"--steps_per_epoch={STEPS_PER_EPOCH}",
     "--validation_steps=2",
     "--epochs=2",
     "--optimizer=adam",
     "--learning_rate=0.01",
     "--log_steps=0",
-    "--checkpoint_steps=7",
+    f"--checkpoint_steps={CHECKPOINT_STEPS}",
 )
 
 STRATEGIES = {
@@ -48,7 +51,9 @@ STRATEGIES = {
         "--mesh=data=2,tensor=2",
     ),
     # A 3D mesh: tensor groups inside pipeline stages inside data replicas, each with its
-    # own weights' shards and Adam slots; the loop's micro-batch state resumes too.
+    # own weights' shards and Adam slots; the loop's micro-batch state resumes too. Its
+    # steps are slow (a 3D schedule's many ops), so a small Transformer and epochs of 10
+    # steps still leave the kill after step 3 a second's margin inside epoch 1.
     "hybrid_3d": (
         "--strategy=hybrid",
         "--mesh=data=2,pipe=2,tensor=2",
@@ -57,7 +62,10 @@ STRATEGIES = {
         "--schedule=1f1b",
         "--model=transformer",
         "--model_option=num_layers=2",
+        "--model_option=num_heads=2",
+        "--model_option=d_model=16",
         "--dataset=tokens",
+        "--steps_per_epoch=10",
     ),
     "hybrid": (
         "--strategy=hybrid",
@@ -111,7 +119,7 @@ def start_training(*args: str) -> subprocess.Popen:
 
 
 def wait_for_step_checkpoint(
-    process: subprocess.Popen, model_dir: str, global_step: int = 7
+    process: subprocess.Popen, model_dir: str, global_step: int = CHECKPOINT_STEPS
 ) -> None:
     """Returns as soon as the checkpoint of `global_step` is complete."""
     state = os.path.join(model_dir, "backup", f"step-{global_step:09d}.json")
@@ -123,12 +131,19 @@ def wait_for_step_checkpoint(
 
 
 def kill_after_step_checkpoint(
-    process: subprocess.Popen, model_dir: str, global_step: int = 7
+    process: subprocess.Popen, model_dir: str, global_step: int = CHECKPOINT_STEPS
 ) -> None:
     """SIGKILLs the run's process group as soon as the checkpoint of `global_step` is complete."""
     wait_for_step_checkpoint(process, model_dir, global_step)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
+
+
+def assert_resumed_once_at_a_step_checkpoint_of_epoch_1(model_dir: str, resumed) -> None:
+    """Asserts the `resumed` run said and recorded one resume, mid-epoch 1 at a step save."""
+    (resume,) = read_metrics(model_dir)["resumes"]
+    assert resume["epoch"] == 1 and resume["step"] % CHECKPOINT_STEPS == 0 and resume["step"] > 0
+    assert f"Resuming at epoch 1, step {resume['step']} (from " in resumed.stderr
 
 
 @pytest.fixture(scope="module")
@@ -157,11 +172,7 @@ def test_run_killed_mid_epoch_resumes_at_the_exact_step_with_the_uninterrupted_w
 
     resumed = run_script("train.py", *flags, "--resume", env=USER_CODE_ENV)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    resumes = read_metrics(model_dir)["resumes"]
-    assert len(resumes) == 1
-    assert resumes[0]["epoch"] == 1 and resumes[0]["step"] % 7 == 0 and resumes[0]["step"] > 0
-    expected_line = f"Resuming at epoch 1, step {resumes[0]['step']} (from "
-    assert expected_line in resumed.stderr
+    assert_resumed_once_at_a_step_checkpoint_of_epoch_1(model_dir, resumed)
     assert_same_run(model_dir, uninterrupted(strategy))
 
 
@@ -170,8 +181,8 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_in_one_line(
 ):
     model_dir = str(tmp_path / "run")
     flags = (*RUN, *STRATEGIES["one_device"], f"--model_dir={model_dir}")
-    # Two mid-epoch checkpoints exist (steps 7 and 14), so the newest has one to fall back to.
-    kill_after_step_checkpoint(start_training(*flags), model_dir, global_step=14)
+    # Two mid-epoch checkpoints exist (steps 3 and 6), so the newest has one to fall back to.
+    kill_after_step_checkpoint(start_training(*flags), model_dir, global_step=2 * CHECKPOINT_STEPS)
     backup = os.path.join(model_dir, "backup")
     newest_state = sorted(glob.glob(os.path.join(backup, "step-*.json")))[-1]
     newest = newest_state.replace(".json", ".weights.h5")
@@ -186,10 +197,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_in_one_line(
     assert len(fallback_lines) == 1
     assert os.path.basename(newest_state) in fallback_lines[0]
     # The killed run resumes mid-epoch at the previous step checkpoint, as if never stopped.
-    resumes = read_metrics(model_dir)["resumes"]
-    assert len(resumes) == 1
-    assert resumes[0]["epoch"] == 1 and resumes[0]["step"] % 7 == 0 and resumes[0]["step"] > 0
-    assert f"Resuming at epoch 1, step {resumes[0]['step']} (from " in resumed.stderr
+    assert_resumed_once_at_a_step_checkpoint_of_epoch_1(model_dir, resumed)
     assert_same_run(model_dir, uninterrupted("one_device"))
 
 
@@ -199,10 +207,11 @@ def test_state_file_names_the_position_and_holds_metrics_and_seed_states(uninter
         newest = json.load(handle)["state"]
     with open(os.path.join(backup, newest)) as handle:
         state = json.load(handle)
-    # The run ended at its last epoch: the newest checkpoint starts epoch 3, step 0.
-    assert (state["epoch"], state["step"], state["global_step"]) == (2, 0, 80)
+    # The run ended at its last epoch: the newest checkpoint starts epoch 3, step 0; the one
+    # kept before it is the last step save (every 3 steps: step 39 of 40).
+    assert (state["epoch"], state["step"], state["global_step"]) == (2, 0, 40)
     kept = sorted(name for name in os.listdir(backup) if name.endswith(".json"))
-    assert kept == ["latest.json", "step-000000077.json", "step-000000080.json"]
+    assert kept == ["latest.json", "step-000000039.json", "step-000000040.json"]
 
 
 def terminate_after_step_checkpoint(process: subprocess.Popen, model_dir: str) -> int:
@@ -222,9 +231,8 @@ def test_sigterm_saves_a_checkpoint_exits_with_the_restart_code_and_resumes_exac
 
     (preemption,) = read_metrics(model_dir)["preemptions"]
     assert read_metrics(model_dir)["status"] == "preempted"
-    # Saved at the step after the signal: past the step-7 checkpoint that prompted it.
-    position = (preemption["epoch"] - 1) * 40 + preemption["step"]
-    assert position > 7
+    # Saved at the step after the signal: past the step checkpoint that prompted it.
+    assert (preemption["epoch"], preemption["step"]) > (1, CHECKPOINT_STEPS)
     assert os.path.exists(os.path.join(model_dir, "backup", preemption["checkpoint"]))
 
     resumed = run_script("train.py", *flags, "--resume", env=USER_CODE_ENV)

@@ -14,15 +14,18 @@ Tolerance: as `assert_same_run` (the same gradients summed in another order).
 
 import pytest
 from script_runner import (
-    DEEP_MLP_MODEL,
     TWO_EPOCHS,
     assert_same_run,
     launch_training,
     read_metrics,
-    run_script,
     use_deep_mlp_module,
 )
-from test_train_script_hybrid import TRANSFORMER
+from test_pipeline_across_workers import (
+    USERS_MODEL,
+    one_device_two_epochs_dir,
+    users_model_one_device_dir,
+)
+from test_train_script_hybrid import TRANSFORMER, TRANSFORMER_MESH, transformer_one_device_dir
 
 from tfmulti.platform.cluster import resolve_cluster
 from tfmulti.platform.connected_cluster import mesh_groups_across_workers, pipe_major_groups
@@ -48,15 +51,10 @@ def pipe_across_workers_run(tmp_path_factory) -> tuple[str, str]:
 
 
 def test_replicas_with_stages_on_two_workers_train_like_one_device(
-    tmp_path, pipe_across_workers_run
+    shared_dir, pipe_across_workers_run
 ):
-    reference_dir = str(tmp_path / "one_device")
-    reference = run_script(
-        "train.py", *TWO_EPOCHS, "--strategy=one_device", f"--model_dir={reference_dir}"
-    )
-    assert reference.returncode == 0, reference.stderr[-3000:]
     model_dir, _ = pipe_across_workers_run
-    assert_same_run(model_dir, reference_dir)
+    assert_same_run(model_dir, one_device_two_epochs_dir(shared_dir))
 
 
 def test_each_stage_of_every_replica_is_on_one_worker_and_only_the_chief_reports(
@@ -78,23 +76,14 @@ def test_each_stage_of_every_replica_is_on_one_worker_and_only_the_chief_reports
 
 
 def test_a_users_model_under_adam_and_zb_h1_with_pipe_across_workers_trains_like_one_device(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, shared_dir
 ):
+    reference_dir = users_model_one_device_dir(shared_dir)
     use_deep_mlp_module(tmp_path, monkeypatch)
-    user_flags = (DEEP_MLP_MODEL, "--optimizer=adam", "--learning_rate=0.01")
-    reference_dir = str(tmp_path / "one_device")
-    reference = run_script(
-        "train.py",
-        *TWO_EPOCHS,
-        *user_flags,
-        "--strategy=one_device",
-        f"--model_dir={reference_dir}",
-    )
-    assert reference.returncode == 0, reference.stderr[-3000:]
     model_dir = str(tmp_path / "run")
     returncode, output = launch_training(
         *TWO_EPOCHS,
-        *user_flags,
+        *USERS_MODEL,
         *PIPE_ACROSS_WORKERS,
         "--schedule=zb_h1",
         f"--model_dir={model_dir}",
@@ -104,20 +93,14 @@ def test_a_users_model_under_adam_and_zb_h1_with_pipe_across_workers_trains_like
 
 
 def test_tensor_groups_inside_each_worker_with_pipe_across_workers_train_like_one_device(
-    tmp_path,
+    tmp_path, shared_dir
 ):
-    reference_dir = str(tmp_path / "one_device")
-    reference = run_script(
-        "train.py", *TRANSFORMER, "--strategy=one_device", f"--model_dir={reference_dir}"
-    )
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    reference_dir = transformer_one_device_dir(shared_dir)
     model_dir = str(tmp_path / "run")
     returncode, output = launch_training(
         *TRANSFORMER,
-        "--strategy=hybrid",
-        "--mesh=data=2,pipe=2,tensor=2",
+        *TRANSFORMER_MESH,
         "--cross_host_axis=pipe",
-        "--microbatches=2",
         f"--model_dir={model_dir}",
         devices_per_worker=4,
         timeout=300,

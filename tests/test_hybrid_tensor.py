@@ -1,6 +1,8 @@
 """3D meshes (data x pipe x tensor): pipelined copies whose stages split their layers over
 tensor devices train like the unsplit Transformer on one device."""
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -40,6 +42,32 @@ def _optimizer(name):
     return keras.optimizers.SGD(0.5) if name == "sgd" else keras.optimizers.Adam(0.02)
 
 
+def _probe():
+    """Held-out tokens: the first batch reversed."""
+    return _batches()[0][0][::-1]
+
+
+@pytest.fixture(scope="module")
+def one_device_run(shared_dir):
+    """`one_device_run(optimizer)`: the unsplit model's losses over the batches and its
+    logits on the probe after them, trained once per session for every mesh's test."""
+
+    def run(optimizer):
+        def fill(directory):
+            loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+            reference = _reference()
+            reference.compile(optimizer=_optimizer(optimizer), loss=loss, jit_compile=False)
+            losses = [reference.train_on_batch(x, y) for x, y in _batches()]
+            logits = reference.predict(_probe(), verbose=0)
+            np.savez(os.path.join(directory, "run.npz"), losses=losses, logits=logits)
+
+        directory = shared_dir(f"hybrid_tensor_one_device_{optimizer}", fill)
+        with np.load(os.path.join(directory, "run.npz")) as saved:
+            return saved["losses"], saved["logits"]
+
+    return run
+
+
 @pytest.mark.parametrize(
     "mesh_text, optimizer",
     [
@@ -49,7 +77,9 @@ def _optimizer(name):
         ("data=2,pipe=1,tensor=4", "sgd"),
     ],
 )
-def test_data_pipe_tensor_mesh_trains_like_the_unsplit_model_on_one_device(mesh_text, optimizer):
+def test_data_pipe_tensor_mesh_trains_like_the_unsplit_model_on_one_device(
+    one_device_run, mesh_text, optimizer
+):
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     mesh = parse_mesh(mesh_text)
     hybrid = build_hybrid_model(
@@ -60,19 +90,12 @@ def test_data_pipe_tensor_mesh_trains_like_the_unsplit_model_on_one_device(mesh_
         devices=logical_device_names("CPU")[:8],
         make_split_blocks=_blocks,
     )
-    reference = _reference()
-    for model in (reference, hybrid):
-        model.compile(optimizer=_optimizer(optimizer), loss=loss, jit_compile=False)
-    batches = _batches()
-    for x, y in batches:
-        np.testing.assert_allclose(
-            hybrid.train_on_batch(x, y), reference.train_on_batch(x, y), rtol=1e-5
-        )
+    hybrid.compile(optimizer=_optimizer(optimizer), loss=loss, jit_compile=False)
+    reference_losses, reference_logits = one_device_run(optimizer)
+    losses = [hybrid.train_on_batch(x, y) for x, y in _batches()]
+    np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
     # The trained weights agree: the same logits on held-out tokens.
-    probe = batches[0][0][::-1]
-    np.testing.assert_allclose(
-        hybrid.predict(probe, verbose=0), reference.predict(probe, verbose=0), atol=1e-5
-    )
+    np.testing.assert_allclose(hybrid.predict(_probe(), verbose=0), reference_logits, atol=1e-5)
     # Replica r's stage s splits its layers over the K devices from (r * pipe + s) * K.
     tensor = mesh.tensor
     for replica_index, replica in enumerate(hybrid.replicas):

@@ -1,9 +1,12 @@
 """Keras 3 fit/evaluate/predict on real local workers under MultiWorkerMirroredStrategy."""
 
+import functools
 import glob
 import importlib.util
 import json
 import os
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,8 +23,10 @@ def load_worker_module():
     return module
 
 
+@functools.cache
 def single_process_reference(epochs):
-    """Plain Keras, one process, same model, data order and global batch."""
+    """Plain Keras, one process, same model, data order and global batch (computed once per
+    `epochs`; tests only read it)."""
     worker = load_worker_module()
     x, y = worker.make_data()
     model = worker.make_model()
@@ -36,10 +41,11 @@ def single_process_reference(epochs):
     }
 
 
-def run_workers(tmp_path, devices, epochs=2, model_dir=None, steps_per_execution=1):
-    out = tmp_path / f"out-{devices}-{epochs}"
+def run_workers(directory: Path, devices, epochs=2, model_dir=None, steps_per_execution=1):
+    """Trains on two local workers of `devices` devices each; returns their results, model_dir."""
+    out = directory / f"out-{devices}-{epochs}"
     out.mkdir()
-    model_dir = model_dir or tmp_path / f"model-{devices}"
+    model_dir = model_dir or directory / f"model-{devices}"
     flags = [
         f"--devices={devices}",
         f"--epochs={epochs}",
@@ -48,14 +54,31 @@ def run_workers(tmp_path, devices, epochs=2, model_dir=None, steps_per_execution
         f"--steps_per_execution={steps_per_execution}",
     ]
     assert_all_workers_succeeded(run_local_cluster("mwms_worker.py", flags, timeout_seconds=240))
-    return [json.loads((out / f"worker{rank}.json").read_text()) for rank in range(2)], model_dir
+    return worker_results(out), model_dir
+
+
+def worker_results(out: Path) -> list:
+    return [json.loads((out / f"worker{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.fixture(scope="module")
+def two_epoch_run(shared_dir):
+    """`two_epoch_run(devices)`: (results, model_dir) of the two-epoch run on two workers of
+    `devices` devices each, trained once per session for every xdist worker; never written."""
+
+    def get(devices):
+        def fill(directory: str) -> None:
+            run_workers(Path(directory), devices)
+
+        directory = Path(shared_dir(f"multi_worker-two_epochs-{devices}", fill))
+        return worker_results(directory / f"out-{devices}-2"), directory / f"model-{devices}"
+
+    return get
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["2x1", "2x2"])
-def cluster_run(request, tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp(f"mwms{request.param}")
-    results, model_dir = run_workers(tmp_path, request.param)
-    return request.param, results, model_dir
+def cluster_run(request, two_epoch_run):
+    return request.param, *two_epoch_run(request.param)
 
 
 def test_every_replica_of_every_worker_takes_part(cluster_run):
@@ -127,12 +150,15 @@ def test_only_the_chief_profiles_since_tensorflow_corrupts_a_non_chief_heap(clus
     assert other["trace_path"] is None
 
 
-def test_backup_and_restore_resumes_every_worker_from_the_last_epoch(tmp_path):
-    first, model_dir = run_workers(tmp_path, devices=1, epochs=1)
-    resumed, _ = run_workers(tmp_path, devices=1, epochs=2, model_dir=model_dir)
-    reference = single_process_reference(epochs=2)
+def test_backup_and_restore_resumes_every_worker_from_the_last_epoch(tmp_path, two_epoch_run):
+    # A copy of the shared two-epoch run, trained on to a third epoch: the shared one stays.
+    _, trained_dir = two_epoch_run(1)
+    model_dir = tmp_path / "model"
+    shutil.copytree(trained_dir, model_dir)
+    resumed, _ = run_workers(tmp_path, devices=1, epochs=3, model_dir=model_dir)
+    reference = single_process_reference(epochs=3)
     for result in resumed:
-        assert len(result["loss"]) == 1  # epoch 1 was restored, only epoch 2 ran
-        np.testing.assert_allclose(result["loss"], reference["loss"][1:], rtol=1e-5)
+        assert len(result["loss"]) == 1  # epochs 1 and 2 were restored, only epoch 3 ran
+        np.testing.assert_allclose(result["loss"], reference["loss"][2:], rtol=1e-5)
         for weight, expected in zip(result["weights"], reference["weights"], strict=True):
             np.testing.assert_allclose(weight, expected, rtol=1e-5, atol=1e-6)

@@ -18,6 +18,8 @@ import time
 import pytest
 from script_runner import (
     DEEP_MLP_MODEL,
+    DEEP_MLP_MODULE,
+    TWO_EPOCHS,
     assert_same_run,
     launch_training,
     read_metrics,
@@ -29,18 +31,12 @@ from script_runner import (
 
 from tfmulti.platform.devices import worker_device_name
 
-FLAGS = (
-    "--model=mlp",
-    "--dataset=digits",
-    "--batch_size=32",
-    "--steps_per_epoch=5",
-    "--validation_steps=4",
-    "--epochs=2",
-    "--optimizer=sgd",
-    "--learning_rate=0.1",
-    "--log_steps=0",
-)
+FLAGS = TWO_EPOCHS  # the suite's shared small run, whose one-device record conftest keeps
 PIPELINE = ("--strategy=pipeline", "--num_stages=4", "--microbatches=4", "--partition=params")
+# Long enough for a signal after an early step checkpoint to land mid-epoch, with steps
+# left after each restart: 12 steps an epoch, a step checkpoint every 3.
+SIGNALLED = (*FLAGS, "--steps_per_epoch=12", "--checkpoint_steps=3")
+USERS_MODEL = (DEEP_MLP_MODEL, "--optimizer=adam", "--learning_rate=0.01")
 
 
 def launch_on_two_workers(*train_args: str) -> tuple[int, str]:
@@ -48,60 +44,101 @@ def launch_on_two_workers(*train_args: str) -> tuple[int, str]:
     return launch_training(*FLAGS, *train_args, timeout=300)
 
 
+def one_device_reference(shared_dir, name: str, *train_args: str, env=None) -> str:
+    """The directory of `scripts/train.py train_args... --strategy=one_device`, run once per
+    session as `name` and shared by the tests (and modules) that compare with it."""
+
+    def fill(model_dir: str) -> None:
+        result = run_script(
+            "train.py", *train_args, "--strategy=one_device", f"--model_dir={model_dir}", env=env
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    return shared_dir(name, fill)
+
+
+def one_device_two_epochs_dir(shared_dir) -> str:
+    """conftest's `one_device_two_epochs` run (of `FLAGS`), as a directory."""
+    return one_device_reference(shared_dir, "one_device_two_epochs", *TWO_EPOCHS)
+
+
+def users_model_one_device_dir(shared_dir) -> str:
+    """A user's module (`DEEP_MLP_MODULE`) under Adam, `FLAGS`, on one device."""
+
+    def fill(directory: str) -> None:
+        with open(os.path.join(directory, "cross_worker_models.py"), "w") as handle:
+            handle.write(DEEP_MLP_MODULE)
+
+    user_code = shared_dir("across_workers-users_model_code", fill)
+    return one_device_reference(
+        shared_dir,
+        "across_workers-users_model_one_device",
+        *FLAGS,
+        *USERS_MODEL,
+        env={"PYTHONPATH": user_code},
+    )
+
+
+def signalled_one_device_dir(shared_dir) -> str:
+    """The uninterrupted one-device run of `SIGNALLED`."""
+    return one_device_reference(shared_dir, "across_workers-signalled_one_device", *SIGNALLED)
+
+
 @pytest.fixture(scope="module")
-def one_device_dir(tmp_path_factory) -> str:
-    model_dir = str(tmp_path_factory.mktemp("one_device") / "run")
-    result = run_script("train.py", *FLAGS, "--strategy=one_device", f"--model_dir={model_dir}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return model_dir
+def one_device_dir(shared_dir) -> str:
+    return one_device_two_epochs_dir(shared_dir)
 
 
-# ZB-V: 2 devices of two chunks each in a V (the MLP's 4 blocks), one device per worker:
-# stages 0 and 3 on the chief, 1 and 2 on worker 1 (the last --num_stages counts).
-@pytest.mark.parametrize(
-    "schedule", [("--schedule=1f1b",), ("--schedule=zbv", "--num_stages=2", "--chunks=2")]
-)
-def test_stages_on_two_workers_train_like_one_device(tmp_path, one_device_dir, schedule):
-    model_dir = str(tmp_path / "run")
-    returncode, output = launch_on_two_workers(*PIPELINE, *schedule, f"--model_dir={model_dir}")
+@pytest.fixture(scope="module")
+def one_f_one_b_run(tmp_path_factory) -> tuple[str, str]:
+    """(model_dir, output) of 1F1B over 4 stages on 2 workers, with step checkpoints (which
+    change nothing in the training): the run both the training and the chief's-outputs
+    tests check."""
+    model_dir = str(tmp_path_factory.mktemp("one_f_one_b") / "run")
+    returncode, output = launch_on_two_workers(
+        *PIPELINE, "--schedule=1f1b", "--checkpoint_steps=2", f"--model_dir={model_dir}"
+    )
     assert returncode == 0, output[-3000:]
-    assert_same_run(model_dir, one_device_dir)
+    return model_dir, output
+
+
+def assert_stages_on_both_workers_train_like(model_dir: str, reference_dir: str) -> None:
+    assert_same_run(model_dir, reference_dir)
     stages = read_metrics(model_dir)["run"]["split"]["stages"]
     assert {"task:0" in stage["device"] for stage in stages} == {True, False}
 
 
-def test_a_users_model_under_adam_and_zb_h1_on_two_workers_trains_like_one_device(
-    tmp_path, monkeypatch
-):
-    use_deep_mlp_module(tmp_path, monkeypatch)
-    user_flags = (
-        DEEP_MLP_MODEL,
-        "--optimizer=adam",
-        "--learning_rate=0.01",
-    )
-    reference_dir = str(tmp_path / "one_device")
-    reference = run_script(
-        "train.py", *FLAGS, *user_flags, "--strategy=one_device", f"--model_dir={reference_dir}"
-    )
-    assert reference.returncode == 0, reference.stderr[-3000:]
+def test_1f1b_stages_on_two_workers_train_like_one_device(one_f_one_b_run, one_device_dir):
+    model_dir, _ = one_f_one_b_run
+    assert_stages_on_both_workers_train_like(model_dir, one_device_dir)
+
+
+def test_zbv_stages_on_two_workers_train_like_one_device(tmp_path, one_device_dir):
+    # ZB-V: 2 devices of two chunks each in a V (the MLP's 4 blocks), one device per worker:
+    # stages 0 and 3 on the chief, 1 and 2 on worker 1 (the last --num_stages counts).
     model_dir = str(tmp_path / "run")
     returncode, output = launch_on_two_workers(
-        *user_flags, *PIPELINE, "--schedule=zb_h1", f"--model_dir={model_dir}"
+        *PIPELINE, "--schedule=zbv", "--num_stages=2", "--chunks=2", f"--model_dir={model_dir}"
+    )
+    assert returncode == 0, output[-3000:]
+    assert_stages_on_both_workers_train_like(model_dir, one_device_dir)
+
+
+def test_a_users_model_under_adam_and_zb_h1_on_two_workers_trains_like_one_device(
+    tmp_path, monkeypatch, shared_dir
+):
+    reference_dir = users_model_one_device_dir(shared_dir)
+    use_deep_mlp_module(tmp_path, monkeypatch)
+    model_dir = str(tmp_path / "run")
+    returncode, output = launch_on_two_workers(
+        *USERS_MODEL, *PIPELINE, "--schedule=zb_h1", f"--model_dir={model_dir}"
     )
     assert returncode == 0, output[-3000:]
     assert_same_run(model_dir, reference_dir)
 
 
-def test_the_chief_alone_writes_the_run_and_names_each_stages_worker(tmp_path):
-    model_dir = tmp_path / "run"
-    returncode, output = launch_on_two_workers(
-        *PIPELINE,
-        "--schedule=1f1b",
-        "--epochs=1",
-        "--checkpoint_steps=2",
-        f"--model_dir={model_dir}",
-    )
-    assert returncode == 0, output[-3000:]
+def test_the_chief_alone_writes_the_run_and_names_each_stages_worker(one_f_one_b_run):
+    model_dir, output = one_f_one_b_run
     devices = [stage["device"] for stage in read_metrics(model_dir)["run"]["split"]["stages"]]
     assert devices == [
         f"/job:worker/replica:0/task:{task}/device:CPU:{index}"
@@ -111,7 +148,8 @@ def test_the_chief_alone_writes_the_run_and_names_each_stages_worker(tmp_path):
         assert f"/job:worker/task:{task}/device:CPU:{index}" in output
     assert "session config" not in output  # TensorFlow's connect-time dump stays quiet
     assert "[worker 1]" not in output  # the serving worker prints nothing
-    assert os.listdir(model_dir / "backup") and os.listdir(model_dir / "checkpoints")
+    for kept in ("backup", "checkpoints"):
+        assert os.listdir(os.path.join(model_dir, kept))
 
 
 def test_a_device_is_shown_with_its_worker_only_in_a_cluster():
@@ -152,19 +190,20 @@ def signal_once_checkpointed(launcher, model_dir: str, ranks, global_step: int, 
     raise AssertionError(f"no step checkpoint {global_step} while the launcher ran")
 
 
-def test_a_preempted_then_killed_group_restarts_and_ends_like_the_uninterrupted_run(tmp_path):
-    flags = (*FLAGS, "--steps_per_epoch=20", "--checkpoint_steps=7")
+def test_a_preempted_then_killed_group_restarts_and_ends_like_the_uninterrupted_run(
+    tmp_path, shared_dir
+):
     model_dir = str(tmp_path / "run")
     launcher = start_launched_training(
         ("--num_workers=2", "--devices_per_worker=2", "--max_restarts=2", "--grace_seconds=30"),
-        (*flags, *PIPELINE, "--schedule=1f1b", f"--model_dir={model_dir}"),
+        (*SIGNALLED, *PIPELINE, "--schedule=1f1b", f"--model_dir={model_dir}"),
     )
     try:
-        # SIGTERM to the group in epoch 1 (after step 7): the serving worker stays while
+        # SIGTERM to the group in epoch 1 (after step 3): the serving worker stays while
         # the chief saves a step checkpoint and exits 42. SIGKILL of worker 1 (stages 2-3)
-        # in epoch 2 (after step 28): a crash, no save.
-        signal_once_checkpointed(launcher, model_dir, (0, 1), 7, signal.SIGTERM)
-        signal_once_checkpointed(launcher, model_dir, (1,), 28, signal.SIGKILL)
+        # in epoch 2 (after step 18): a crash, no save.
+        signal_once_checkpointed(launcher, model_dir, (0, 1), 3, signal.SIGTERM)
+        signal_once_checkpointed(launcher, model_dir, (1,), 18, signal.SIGKILL)
         output, _ = launcher.communicate(timeout=300)
     finally:
         launcher.kill()
@@ -173,14 +212,9 @@ def test_a_preempted_then_killed_group_restarts_and_ends_like_the_uninterrupted_
     assert "worker 1 was killed by SIGKILL" in output
     assert "Lost a worker: TensorFlow could not reach /job:worker/replica:0/task:1" in output
     after_preemption, after_kill = read_metrics(model_dir)["resumes"]
-    assert after_preemption["epoch"] == 1 and after_preemption["step"] > 7
-    assert (after_kill["epoch"], after_kill["step"]) == (2, 8)  # global step 28
-    reference_dir = str(tmp_path / "one_device")
-    reference = run_script(
-        "train.py", *flags, "--strategy=one_device", f"--model_dir={reference_dir}"
-    )
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    assert_same_run(model_dir, reference_dir)
+    assert after_preemption["epoch"] == 1 and after_preemption["step"] > 3
+    assert (after_kill["epoch"], after_kill["step"]) == (2, 6)  # global step 18
+    assert_same_run(model_dir, signalled_one_device_dir(shared_dir))
 
 
 def test_a_run_resumed_across_workers_ends_like_the_uninterrupted_one(tmp_path, one_device_dir):

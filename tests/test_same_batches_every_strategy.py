@@ -4,7 +4,9 @@ Each run takes one step per epoch, so every epoch's loss in `metrics.json` is on
 loss; a strategy that fed other rows, or the same rows in another order, would record
 other losses than the one-device run of the same flags. Streamed data (a TFRecord file,
 a user's tf.data datasets that reshuffle on each iteration) is where a strategy could
-see other batches: arrays are covered by the strategies' own tests.
+see other batches: arrays are covered by the strategies' own tests. The `user` runs are
+also test_user_models_script.py's check that mirrored, model_parallel, hybrid and two
+launched workers train a user's model like one device.
 """
 
 import os

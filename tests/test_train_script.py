@@ -3,9 +3,11 @@
 import glob
 import json
 import os
+import shutil
 
 import keras
 import numpy as np
+import pytest
 from script_runner import last_line, one_line_error, run_script
 
 COMMON = (
@@ -27,13 +29,36 @@ def _metrics(model_dir):
         return json.load(handle)
 
 
-def test_run_writes_tensorboard_logs_profile_trace_metrics_and_checkpoints(tmp_path):
-    model_dir = str(tmp_path / "run")
-    result = run_script(
-        "train.py", *COMMON, "--epochs=2", "--profile_steps=2,3", f"--model_dir={model_dir}"
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "TensorBoard logs:" in result.stdout
+@pytest.fixture(scope="module")
+def finished_run(shared_dir) -> str:
+    """The directory of a finished two-epoch run (profiled at steps 2-3): `run` (its
+    model_dir) and `stdout.txt`. Tests that train on copy `run` first."""
+
+    def fill(directory: str) -> None:
+        result = run_script(
+            "train.py",
+            *COMMON,
+            "--epochs=2",
+            "--profile_steps=2,3",
+            f"--model_dir={directory}/run",
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        with open(f"{directory}/stdout.txt", "w") as handle:
+            handle.write(result.stdout)
+
+    return shared_dir("train_script-two_epochs", fill)
+
+
+def _copy_of_finished_run(finished_run: str, tmp_path) -> str:
+    copy = str(tmp_path / "run")
+    shutil.copytree(f"{finished_run}/run", copy)
+    return copy
+
+
+def test_run_writes_tensorboard_logs_profile_trace_metrics_and_checkpoints(finished_run):
+    model_dir = f"{finished_run}/run"
+    with open(f"{finished_run}/stdout.txt") as handle:
+        assert "TensorBoard logs:" in handle.read()
 
     metrics = _metrics(model_dir)
     assert metrics["status"] == "completed"
@@ -54,11 +79,8 @@ def test_run_writes_tensorboard_logs_profile_trace_metrics_and_checkpoints(tmp_p
     assert os.path.exists(f"{model_dir}/checkpoints/{latest['weights']}")
 
 
-def test_resume_continues_from_the_saved_epoch_and_records_each_epoch_once(tmp_path):
-    model_dir = str(tmp_path / "run")
-    first = run_script("train.py", *COMMON, "--epochs=2", f"--model_dir={model_dir}")
-    assert first.returncode == 0, first.stderr[-3000:]
-
+def test_resume_continues_from_the_saved_epoch_and_records_each_epoch_once(finished_run, tmp_path):
+    model_dir = _copy_of_finished_run(finished_run, tmp_path)
     refused = run_script("train.py", *COMMON, "--epochs=3", f"--model_dir={model_dir}")
     assert refused.returncode != 0
     assert "--resume" in last_line(refused.stderr)
@@ -71,11 +93,10 @@ def test_resume_continues_from_the_saved_epoch_and_records_each_epoch_once(tmp_p
     assert [epoch["epoch"] for epoch in metrics["epochs"]] == [1, 2, 3]
 
 
-def test_resuming_with_another_layout_is_one_line_and_leaves_the_run_as_it_was(tmp_path):
-    model_dir = tmp_path / "run"
-    pipeline = ("--strategy=pipeline", "--virtual_devices=2")
-    first = run_script("train.py", *COMMON, *pipeline, "--epochs=1", f"--model_dir={model_dir}")
-    assert first.returncode == 0, first.stderr[-3000:]
+def test_resuming_with_another_layout_is_one_line_and_leaves_the_run_as_it_was(
+    finished_run, tmp_path
+):
+    model_dir = _copy_of_finished_run(finished_run, tmp_path)  # mirrored: one model
     written = {
         path: open(path, "rb").read()
         for path in glob.glob(f"{model_dir}/**/*", recursive=True)
@@ -84,8 +105,8 @@ def test_resuming_with_another_layout_is_one_line_and_leaves_the_run_as_it_was(t
     resumed = run_script(
         "train.py",
         *COMMON,
-        "--strategy=one_device",
-        "--epochs=2",
+        "--strategy=pipeline",  # two stage models
+        "--epochs=3",
         "--resume",
         f"--model_dir={model_dir}",
     )

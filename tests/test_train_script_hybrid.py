@@ -93,10 +93,12 @@ def test_xla_with_a_tensor_group_in_the_mesh_is_one_line(tmp_path):
     assert not os.path.exists(tmp_path / "run")
 
 
+# One layer: tracing every stage of every replica over the mesh's devices, not the steps,
+# is what takes these runs' time.
 TRANSFORMER = (
     "--model=transformer",
     "--dataset=tokens",
-    "--model_option=num_layers=2",
+    "--model_option=num_layers=1",
     "--model_option=num_heads=2",
     "--model_option=d_model=16",
     "--batch_size=16",
@@ -107,11 +109,18 @@ TRANSFORMER = (
     "--learning_rate=0.01",
     "--log_steps=0",
 )
+# 2 stages of tensor pairs: by parameters, the vocabulary-split embedding alone is stage 0
+# and the layer with the head stage 1, so each stage is split over its tensor group.
+TRANSFORMER_MESH = (
+    "--strategy=hybrid",
+    "--mesh=data=2,pipe=2,tensor=2",
+    "--microbatches=2",
+    "--partition=params",
+)
 
 
-@pytest.fixture(scope="module")
-def transformer_on_one_device(shared_dir):
-    """metrics.json of the small Transformer trained on one device."""
+def transformer_one_device_dir(shared_dir) -> str:
+    """The small Transformer trained on one device, once per session."""
 
     def fill(reference_dir: str) -> None:
         reference = run_script(
@@ -119,7 +128,13 @@ def transformer_on_one_device(shared_dir):
         )
         assert reference.returncode == 0, reference.stderr[-3000:]
 
-    return read_metrics(shared_dir("hybrid-transformer_one_device", fill))
+    return shared_dir("hybrid-transformer_one_device", fill)
+
+
+@pytest.fixture(scope="module")
+def transformer_on_one_device(shared_dir):
+    """metrics.json of the small Transformer trained on one device."""
+    return read_metrics(transformer_one_device_dir(shared_dir))
 
 
 @pytest.mark.parametrize("reduction", ["ring", "collective"])
@@ -132,14 +147,17 @@ def test_data_pipe_tensor_mesh_across_two_workers_trains_like_one_device(
     model_dir = str(tmp_path / "mesh")
     returncode, output = launch_training(
         *TRANSFORMER,
-        "--strategy=hybrid",
-        "--mesh=data=2,pipe=2,tensor=2",
+        *TRANSFORMER_MESH,
         "--cross_host_axis=data",
-        "--microbatches=2",
         "--collective_timeout=120",
         f"--tensor_reduce={reduction}",
         f"--model_dir={model_dir}",
         devices_per_worker=4,
     )
     assert returncode == 0, output[-3000:]
-    assert_same_training(read_metrics(model_dir), transformer_on_one_device)
+    metrics = read_metrics(model_dir)
+    assert [stage["blocks"] for stage in metrics["run"]["split"]["stages"]] == [
+        ["embedding"],
+        ["transformer_block_0", "lm_head"],
+    ]
+    assert_same_training(metrics, transformer_on_one_device)

@@ -6,6 +6,7 @@ would be.
 """
 
 import functools
+import json
 import math
 import os
 import sys
@@ -160,9 +161,9 @@ def test_reduce_lr_on_plateau_changes_the_rate_at_the_same_epoch(plateau_run, st
     assert rates == pytest.approx([0.1, 0.1, 0.05])
 
 
-@pytest.fixture(scope="module")
-def adamw_in_process_loss(user_env):
-    """Validation loss of the user's compiled model trained by plain Keras on one device."""
+def _train_adamw_in_process(user_env: dict, directory: str) -> None:
+    """Writes `directory`/loss.json: the validation loss of the user's compiled model trained
+    by plain Keras on one device."""
     sys.path.insert(0, user_env["PYTHONPATH"].split(os.pathsep)[0])
     try:
         import keras
@@ -179,7 +180,17 @@ def adamw_in_process_loss(user_env):
     finally:
         sys.path.pop(0)
         sys.modules.pop("user_hooks", None)
-    return loss
+    with open(os.path.join(directory, "loss.json"), "w") as handle:
+        json.dump(loss, handle)
+
+
+@pytest.fixture(scope="module")
+def adamw_in_process_loss(user_env, shared_dir):
+    """Validation loss of the user's compiled model trained by plain Keras on one device,
+    trained once per session for every xdist worker."""
+    fill = functools.partial(_train_adamw_in_process, user_env)
+    with open(os.path.join(shared_dir("user_hooks-adamw_in_process", fill), "loss.json")) as handle:
+        return json.load(handle)
 
 
 @pytest.mark.parametrize(
