@@ -36,6 +36,17 @@ def test_digits_are_8x8x1_images_in_unit_range_with_10_classes():
     assert data.info.num_classes == 10 and data.info.task == "classification"
 
 
+def test_digits_read_from_the_bundled_file_equal_scikit_learns_load_digits():
+    from sklearn.datasets import load_digits
+
+    from tfmulti.data.digits import bundled_digits
+
+    images, labels = bundled_digits()
+    expected = load_digits()
+    np.testing.assert_array_equal(images, expected.images)
+    np.testing.assert_array_equal(labels, expected.target)
+
+
 def test_digits_split_is_the_same_on_every_load():
     first, second = load_source("digits"), load_source("digits")
     np.testing.assert_array_equal(first.x_validation, second.x_validation)
