@@ -176,6 +176,18 @@ def deep_mlp(width=32):
 DEEP_MLP_MODEL = "--model=cross_worker_models:deep_mlp"
 
 
+def user_module_environment(shared_dir, module: str, source: str) -> dict:
+    """Environment whose PYTHONPATH holds `module`.py with `source`, written once per session
+    into a `shared_dir` directory, as a user's project would hold it."""
+
+    def fill(directory: str) -> None:
+        with open(os.path.join(directory, f"{module}.py"), "w") as handle:
+            handle.write(source)
+
+    directory = shared_dir(f"{module}-user_project", fill)
+    return {"PYTHONPATH": os.pathsep.join([directory, os.environ.get("PYTHONPATH", "")])}
+
+
 def use_deep_mlp_module(directory, monkeypatch) -> None:
     """Writes `DEEP_MLP_MODULE` as `directory/cross_worker_models.py` and puts `directory`
     on the PYTHONPATH that scripts, and the workers they launch, inherit."""

@@ -21,6 +21,7 @@ from script_runner import (
     last_line,
     read_metrics,
     run_script,
+    user_module_environment,
 )
 
 USER_MODULE = textwrap.dedent(
@@ -93,13 +94,7 @@ MLP = ("--model=user_models:small_mlp", "--model_option=width=16", *RUN)
 @pytest.fixture(scope="module")
 def user_env(shared_dir):
     """Environment with the user's module on PYTHONPATH."""
-
-    def fill(directory: str) -> None:
-        with open(os.path.join(directory, "user_models.py"), "w") as handle:
-            handle.write(USER_MODULE)
-
-    directory = shared_dir("user_models-user_project", fill)
-    return {"PYTHONPATH": os.pathsep.join([directory, os.environ.get("PYTHONPATH", "")])}
+    return user_module_environment(shared_dir, "user_models", USER_MODULE)
 
 
 @pytest.fixture(scope="module")

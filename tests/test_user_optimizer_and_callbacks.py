@@ -19,6 +19,7 @@ from script_runner import (
     launch_training,
     read_metrics,
     run_script,
+    user_module_environment,
 )
 
 USER_MODULE = textwrap.dedent(
@@ -105,13 +106,7 @@ PLATEAU = (
 @pytest.fixture(scope="module")
 def user_env(shared_dir):
     """Environment with the user's module on PYTHONPATH."""
-
-    def fill(directory: str) -> None:
-        with open(os.path.join(directory, "user_hooks.py"), "w") as handle:
-            handle.write(USER_MODULE)
-
-    directory = shared_dir("user_hooks-user_project", fill)
-    return {"PYTHONPATH": os.pathsep.join([directory, os.environ.get("PYTHONPATH", "")])}
+    return user_module_environment(shared_dir, "user_hooks", USER_MODULE)
 
 
 def _train_plateau(user_env: dict, strategy: str, directory: str) -> None:
