@@ -23,14 +23,12 @@ from keras.src.callbacks import callback_list
 from keras.src.trainers.data_adapters import tf_dataset_adapter
 
 from tfmulti.compat import worker_paths
-from tfmulti.compat.versions import version_tuple
+from tfmulti.compat.versions import FIRST_UNCHECKED_KERAS, version_tuple
 
 UPSTREAM_ISSUE = "https://github.com/keras-team/keras/issues/20585"
 
-# Newest Keras checked by tests/test_compat.py is 3.15.1. On a newer Keras the
-# fixes stay off until that test is run there and this bound is raised (or the
-# fix removed, when the test reports that upstream fixed it).
-FIRST_UNCHECKED_KERAS = (3, 16)
+# On Keras from versions.FIRST_UNCHECKED_KERAS on, the fixes stay off (or are removed,
+# when tests/test_compat.py reports that upstream fixed them).
 FIRST_BROKEN_KERAS = (3, 0)
 
 
