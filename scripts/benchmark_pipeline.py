@@ -6,7 +6,9 @@
    m micro-batches: measured step time against the simulator's makespan, and speedup over
    `model_parallel` against the ideal m·p/(m+p-1). Gains, measured and predicted: ZB-H1
    over 1F1B; ZB-V over ZB-H1 and 1F1B; interleaved zero bubble over interleaved 1F1B;
-   DualPipeV over ZB-V (its overlapped pairs run as F then B here, so it cannot gain).
+   DualPipeV over ZB-V (the executor runs each overlapped pair's forward beside its
+   backward, so a pair of holds takes about its backward's time; the simulator takes a
+   pair's cost from a measured pair of holds).
    A schedule that cannot run at some m (DualPipeV needs m >= 2p) is skipped there. A
    hold costs more than its sleep (TensorFlow's numpy_function dispatch, ~0.9 ms here,
    whatever the executor does), so each record also simulates the schedule
@@ -24,6 +26,7 @@ Example:
     python scripts/benchmark_pipeline.py --out=/tmp/pipeline.json --plot=/tmp/pipeline.png
 """
 
+import dataclasses
 import json
 import os
 import statistics
@@ -154,17 +157,43 @@ def _hold_call_seconds(seconds, calls=20):
     """What one hold of `seconds` really costs in a graph: a chain of `calls` holds on one
     device, timed. The excess over `seconds` is TensorFlow's own numpy_function dispatch
     (and the sleep's overshoot), paid by every action whatever the executor does."""
+    return _chain_seconds(lambda value, hold: hold(seconds, [value]), calls)
+
+
+def _hold_pair_seconds(forward_s, input_grad_s, weight_grad_s, calls=20):
+    """What an overlapped F&B pair of holds really costs: a chain of `calls` units, each a
+    forward beside a backward (I, then W reading its result) that wait only for the unit
+    before, as the executor runs DualPipeV's pairs."""
+
+    def pair(value, hold):
+        forward = hold(forward_s, [value])
+        input_grad = hold(input_grad_s, [value])
+        return forward + hold(weight_grad_s, [input_grad, value])
+
+    return _chain_seconds(pair, calls)
+
+
+def _chain_seconds(unit, calls):
+    """Median seconds per `unit(value, hold)` in a traced chain of `calls` of them;
+    `hold(seconds, inputs)` sleeps in the graph once `inputs` are ready."""
     import numpy as np
     import tensorflow as tf
 
-    def sleep_then_pass(value):
-        time.sleep(seconds)
-        return value
+    def hold(seconds, inputs):
+        def sleep_then_pass(first, *unused):
+            time.sleep(seconds)
+            return first
+
+        held = tf.numpy_function(
+            sleep_then_pass, [inputs[0] * 1.0, *inputs[1:]], tf.float32, stateful=False
+        )
+        held.set_shape(inputs[0].shape)
+        return held
 
     @tf.function
     def chain(value):
         for _ in range(calls):
-            value = tf.numpy_function(sleep_then_pass, [value * 1.0], tf.float32, stateful=False)
+            value = unit(value, hold)
         return value
 
     value = tf.constant(np.ones((4, 8), "float32"))
@@ -175,6 +204,15 @@ def _hold_call_seconds(seconds, calls=20):
         chain(value)
         times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
+
+
+def _pair_times(schedule, pair_seconds: float) -> dict:
+    """Every (forward stage, backward stage) pair of `schedule` taking `pair_seconds`."""
+    return {
+        (actions[start].stage, actions[start + 1].stage): pair_seconds
+        for device, actions in enumerate(schedule.device_actions)
+        for start in schedule.pair_starts(device)
+    }
 
 
 def _median_step_seconds(model, x, y, steps):
@@ -221,10 +259,21 @@ def fidelity_records(timeline_dir):
             measured = _median_step_seconds(model, x, y, FLAGS.steps)
             forward = FLAGS.forward_ms / 1e3 / m
             costs = CostModel.uniform(p, forward, 2 * forward, forward).split_into_chunks(chunks)
+            # An overlapped pair of holds takes its longer half: the backward, I then W.
+            costs = dataclasses.replace(
+                costs, pair_times=_pair_times(model.schedule, 2 * forward / chunks)
+            )
             simulated = simulate(model.schedule, costs).makespan
-            # The same schedule with each hold at what it costs alone (one F, I or W call).
+            # The same schedule with each hold at what it costs alone (one F, I or W call),
+            # and each overlapped pair at what one costs.
             hold_cost = _hold_call_seconds(forward / chunks)
             held_costs = CostModel.uniform(p * chunks, hold_cost, 2 * hold_cost, hold_cost)
+            if model.schedule.overlapped_pairs:
+                chunk = forward / chunks
+                pair_cost = _hold_pair_seconds(chunk, chunk, chunk)
+                held_costs = dataclasses.replace(
+                    held_costs, pair_times=_pair_times(model.schedule, pair_cost)
+                )
             simulated_at_hold_cost = simulate(model.schedule, held_costs).makespan
             ideal = m * p / (m + p - 1)
             records.append(

@@ -1,5 +1,7 @@
 """DualPipeV: a V of two chunks per device with overlapped F&B pairs; closed form, equality."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from pipeline_runtime_models import (
@@ -20,6 +22,8 @@ from tfmulti.pipeline import (
     simulate,
     validate_schedule,
 )
+from tfmulti.pipeline.overlapped_pairs import body_pair_partners, pair_partners
+from tfmulti.pipeline.round_loop import loop_schedule
 
 GRID = [(p, m) for p in range(1, 7) for m in range(2 * p, 25)]
 
@@ -170,6 +174,151 @@ def test_dualpipev_trains_to_the_weights_of_one_device(num_devices, num_microbat
     if (num_devices, num_microbatches) in ONE_LOOP:
         x, y = regression_batches(1, 32)[0]
         assert loops_in_step(pipeline, x, y) == 1
+
+
+@pytest.mark.parametrize("num_devices, num_microbatches", [(2, 8), (4, 16), (4, 32)])
+def test_the_rolled_step_runs_every_pair_of_the_schedule_overlapped(num_devices, num_microbatches):
+    # Prologue and epilogue pair as the schedule does; the loop body's pairs, moved to
+    # each round's micro-batches, must give the rest: no pair of the schedule runs F then B.
+    schedule = build_schedule("dualpipev", num_devices, num_microbatches)
+    rolled = loop_schedule(schedule)
+    partners = pair_partners(schedule)
+    run_overlapped = {
+        (action, partners[action])
+        for action in rolled.prologue + rolled.epilogue
+        if action in partners
+    }
+    for second, first in body_pair_partners(rolled).items():
+        for r in range(rolled.rounds):
+            run_overlapped.add(
+                tuple(
+                    Action(a.kind, a.stage, rolled.microbatch_in_round(a.microbatch, r))
+                    for a in (second, first)
+                )
+            )
+    assert run_overlapped == set(partners.items())
+    assert len(partners) == sum(map(len, schedule.overlapped_pairs))
+
+
+def _depends_on(tensor, target) -> bool:
+    """Whether `tensor`'s op waits, by data or control, for `target`'s op."""
+    seen, stack = set(), [tensor.op]
+    while stack:
+        op = stack.pop()
+        if op is target.op:
+            return True
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    return False
+
+
+def test_a_pairs_second_action_waits_for_what_the_first_waited_for_not_for_the_first():
+    import tensorflow as tf
+
+    from tfmulti.pipeline.runtime import PipelineModel
+    from tfmulti.platform.devices import logical_device_names
+
+    num_microbatches = 4
+    pipeline = PipelineModel(
+        dense_stages(4), logical_device_names("CPU")[:2], num_microbatches, "dualpipev"
+    )
+    x, y = regression_batches(1, 8)[0]
+    pipeline(x)
+    schedule = pipeline.schedule
+
+    stamps = {}  # the step graph's own tensors (its outputs would be copies)
+
+    @tf.function(autograph=False)
+    def step(x, y):
+        parts = tf.split(x, num_microbatches), tf.split(y, num_microbatches)
+
+        def loss(microbatch, outputs):
+            value = tf.reduce_mean(tf.square(outputs - parts[1][microbatch]))
+            return value, value
+
+        stamps.update(pipeline._executor.run(parts[0], loss, trace=True).stamps)
+        return tf.constant(0.0)
+
+    step.get_concrete_function(x, y)
+    checked = 0
+    for device, actions in enumerate(schedule.device_actions):
+        starts = set(schedule.pair_starts(device))
+        for index in range(1, len(actions)):
+            (_, previous_end), (start, _) = (stamps[a] for a in actions[index - 1 : index + 1])
+            if index - 1 in starts:  # the second of a pair: runs beside the first
+                assert not _depends_on(start, previous_end), actions[index]
+                after = actions[index + 1] if index + 1 < len(actions) else None
+                if after is not None:
+                    assert _depends_on(stamps[after][0], previous_end), after
+                checked += 1
+            else:
+                assert _depends_on(start, previous_end), actions[index]
+    assert checked == sum(map(len, schedule.overlapped_pairs)) > 0
+
+
+def test_the_rolled_step_builds_the_second_action_of_each_pair_beside_the_first(monkeypatch):
+    from tfmulti.pipeline.runtime import executor
+
+    paired = []
+    gate_for = executor.PairGates.gate_for
+
+    def recording_gate_for(self, action):
+        gate = gate_for(self, action)
+        if gate is not None:
+            paired.append(action)
+        return gate
+
+    monkeypatch.setattr(executor.PairGates, "gate_for", recording_gate_for)
+    x, y = regression_batches(1, 32)[0]
+    pipeline = train_pipeline_and_chain(dense_stages, 2, 8, "dualpipev", 2, "sgd", steps=1)[1]
+    assert loops_in_step(pipeline, x, y) == 1
+    rolled = loop_schedule(pipeline.schedule)
+    partners = pair_partners(pipeline.schedule)
+    in_prologue_and_epilogue = [a for a in rolled.prologue + rolled.epilogue if a in partners]
+    expected = in_prologue_and_epilogue + list(body_pair_partners(rolled))
+    # Each trace of the step (training, then `loops_in_step`) builds every pair once.
+    assert paired and sorted(map(str, paired)) == sorted(map(str, expected * 2))
+
+
+def test_a_measured_pair_counts_once_as_busy_time_and_gives_the_plan_its_pair_time():
+    from tfmulti.pipeline import TimedAction
+    from tfmulti.pipeline.runtime.measured import bubble_fraction, order_deviations
+    from tfmulti.pipeline.runtime.timeline_report import measured_costs
+
+    schedule = build_schedule("dualpipev", 2, 4)
+    # Device 0 runs its first pair in 4 time units, F and B side by side (F 0-2, B 1-4);
+    # every other action takes one unit, one after another.
+    first_pair = schedule.pair_starts(0)[0]
+    records, clock = [], [0.0, 0.0]
+    for device, actions in enumerate(schedule.device_actions):
+        for index, action in enumerate(actions):
+            start = clock[device]
+            if device == 0 and index == first_pair:
+                start, end = start, start + 2
+            elif device == 0 and index == first_pair + 1:
+                start, end = start - 1, start + 2
+            else:
+                end = start + 1
+            records.append(TimedAction(device, action, start, end))
+            clock[device] = end
+    assert order_deviations(records, schedule) == []
+    # Both devices are busy from 0 to their last end: the pair's overlap counts once.
+    span = max(clock)
+    assert bubble_fraction(records, 2) == pytest.approx(1 - sum(clock) / (2 * span))
+    forward, backward = schedule.device_actions[0][first_pair : first_pair + 2]
+    costs = measured_costs(records, schedule)
+    assert costs.pair_times[(forward.stage, backward.stage)] == pytest.approx(4.0)
+    # Two actions of device 1 that are not a pair may not overlap.
+    unpaired = schedule.device_actions[1][1]
+    overlapping = [
+        dataclasses.replace(r, start=r.start - 0.5) if r.action == unpaired else r for r in records
+    ]
+    assert order_deviations(overlapping, schedule) == [
+        f"device 1: {unpaired} started before {schedule.device_actions[1][0]} ended"
+    ]
 
 
 # A hybrid mesh pipelines each of its two data replicas over pipe=2 devices.

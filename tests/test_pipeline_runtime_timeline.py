@@ -33,7 +33,14 @@ def _traced_model(schedule, num_devices, num_microbatches, chunks=1):
 
 @pytest.mark.parametrize(
     "schedule, num_devices, chunks",
-    [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved_1f1b", 2, 2), ("zb_h1", 4, 1), ("zb_h2", 2, 1)],
+    [
+        ("gpipe", 4, 1),
+        ("1f1b", 4, 1),
+        ("interleaved_1f1b", 2, 2),
+        ("zb_h1", 4, 1),
+        ("zb_h2", 2, 1),
+        ("dualpipev", 2, 2),
+    ],
 )
 def test_measured_step_runs_every_action_once_in_schedule_order(schedule, num_devices, chunks):
     model = _traced_model(schedule, num_devices, 4, chunks)
@@ -52,7 +59,13 @@ def test_measured_peak_stashed_activations_follow_the_schedule_formulas():
 
 @pytest.mark.parametrize(
     "schedule, num_devices, chunks, num_microbatches",
-    [("1f1b", 4, 1, 16), ("zb_h1", 2, 1, 16), ("interleaved_1f1b", 2, 2, 8), ("gpipe", 4, 1, 16)],
+    [
+        ("1f1b", 4, 1, 16),
+        ("zb_h1", 2, 1, 16),
+        ("interleaved_1f1b", 2, 2, 8),
+        ("gpipe", 4, 1, 16),
+        ("dualpipev", 2, 2, 8),
+    ],
 )
 def test_rolled_step_measures_every_action_once_in_schedule_order(
     schedule, num_devices, chunks, num_microbatches

@@ -58,8 +58,9 @@ class Schedule:
         overlapped_pairs: per device (or empty for none), the positions i at which
             actions i and i+1, a forward and a backward of different stages, form one
             overlapped F&B unit (DualPipe): both start once both have their inputs, and
-            their outputs leave when the unit ends. The executor runs such a unit as the
-            forward, then the backward.
+            their outputs leave when the unit ends. The executor builds the backward to wait
+            for what the forward waits for, not for the forward, so TensorFlow may run the
+            two at once (`tfmulti.pipeline.overlapped_pairs`).
     """
 
     name: str

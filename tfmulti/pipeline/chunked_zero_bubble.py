@@ -173,9 +173,10 @@ def dualpipev(num_devices: int, num_microbatches: int) -> Schedule:
     chunk, the busiest device idles (p-1)(F&B + B - 3W), F&B a pair's time: DualPipe's
     bubble on 2p devices.
 
-    tfmulti's executor runs a pair as its forward, then its backward (no overlap), so
-    there F&B = F + B and the bubble is twice ZB-V's at F = I = W; the simulator takes a
-    measured pair time from `CostModel.pair_times`.
+    tfmulti's executor starts a pair's two halves together (neither waits for the other),
+    so F&B is what the device's overlap of them costs: F + B where they share one
+    saturated device (the bubble then twice ZB-V's at F = I = W), less where they overlap;
+    the simulator takes a measured pair time from `CostModel.pair_times`.
 
     Example:
         >>> schedule = dualpipev(2, 4)

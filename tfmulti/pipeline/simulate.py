@@ -77,8 +77,9 @@ class CostModel:
         stages: one `StageCost` per stage (over all chunks).
         transfer_time: delay between a stage finishing and the next device receiving.
         pair_times: time of an overlapped F&B unit (`Schedule.overlapped_pairs`), keyed by
-            (forward stage, backward stage), as measured; a pair not listed takes its two
-            actions' time, F then B, as tfmulti's executor runs it.
+            (forward stage, backward stage), as measured (a step's timeline measures it:
+            `timeline_report.measured_costs`); a pair not listed takes its two actions'
+            time, F + B, as when nothing overlaps them.
 
     Example:
         >>> costs = CostModel.uniform(4, forward=1, backward=2, weight_grad=1)

@@ -31,6 +31,7 @@ from tfmulti.pipeline.actions import (
     Schedule,
 )
 from tfmulti.pipeline.dependencies import run_in_order
+from tfmulti.pipeline.overlapped_pairs import pair_partners
 from tfmulti.pipeline.round_loop import is_fill_drain, loop_schedule
 from tfmulti.pipeline.runtime.fill_drain_step import run_phased
 from tfmulti.pipeline.runtime.round_loop_step import run_rolled
@@ -196,8 +197,7 @@ class ScheduleExecutor:
                 return run_rolled(run, self.rolled, traced_stages)
             if traced_stages is not None:  # a fill-drain schedule: GPipe's two loops
                 return run_phased(run, traced_stages)
-        for action in self.order:
-            run.build(action)
+        run.build_all(self.order, pair_partners(self.schedule))
         return run.result()
 
     def traced_stages(self, first_inputs) -> list | None:
@@ -242,9 +242,13 @@ class _StepBuilder:
         self._waits_for = []  # what the action being built waits for (`_in_order`)
         self._calls = []  # the stage-function calls of the action being built
 
-    def build(self, action: Action) -> None:
+    def build(self, action: Action, pair_gate: list | None = None) -> None:
+        """Builds `action` after the device's previous action; with `pair_gate` (what the
+        previous action itself waited for), as the second of an overlapped pair: it
+        waits for that instead, so both run at once, and the next action waits for both."""
         device = self.executor.device_of_stage[action.stage]
-        gate = self.device_gate.get(device, [])
+        first_done = self.device_gate.get(device, []) if pair_gate is not None else []
+        gate = self.device_gate.get(device, []) if pair_gate is None else list(pair_gate)
         arriving = self._arriving_tensors(action)
         with tf.device(self.executor.stage_device_names[action.stage]):
             start = None
@@ -262,7 +266,18 @@ class _StepBuilder:
                 end = _timestamp(produced or [start])
                 self.stamps[action] = (start, end)
                 produced = [end]
-            self.device_gate[device] = _when_ready(produced, self._calls) or gate
+            self.device_gate[device] = (_when_ready(produced, self._calls) or gate) + first_done
+
+    def pairing(self, partners: dict[Action, Action]) -> PairGates:
+        """A fresh `PairGates` for building actions with this builder."""
+        return PairGates(self, partners)
+
+    def build_all(self, actions: Sequence[Action], partners: dict[Action, Action]) -> None:
+        """Builds `actions` in order; an action `partners` maps to the device's previous
+        action runs overlapped with it (`tfmulti.pipeline.overlapped_pairs`)."""
+        pairing = self.pairing(partners)
+        for action in actions:
+            self.build(action, pairing.gate_for(action))
 
     def _in_order(self, stage_function, args: list):
         """Calls `stage_function` once the device's previous action is done.
@@ -505,3 +520,24 @@ class _Stash:
     @output_grads.setter
     def output_grads(self, gradients) -> None:
         self.held.replace("output_grads", gradients)
+
+
+class PairGates:
+    """Tracks, per device, the last action built and what it waited for, so the second
+    action of an overlapped pair can wait for what the first waited for."""
+
+    def __init__(self, builder: _StepBuilder, partners: dict[Action, Action]):
+        self.builder = builder
+        self.partners = partners
+        self.last: dict[int, Action] = {}
+        self.waited: dict[int, list] = {}
+
+    def gate_for(self, action: Action) -> list | None:
+        """Call before building `action`: the pair gate to build it with, or None."""
+        device = self.builder.executor.device_of_stage[action.stage]
+        first = self.partners.get(action)
+        paired = first is not None and self.last.get(device) == first
+        pair_gate = self.waited[device] if paired else None
+        self.last[device] = action
+        self.waited[device] = self.builder.device_gate.get(device, [])
+        return pair_gate

@@ -26,6 +26,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfmulti.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
+from tfmulti.pipeline.overlapped_pairs import body_pair_partners, pair_partners
 from tfmulti.pipeline.round_loop import RolledSchedule
 from tfmulti.pipeline.runtime.conditional_actions import build_guarded, zero_start_state
 from tfmulti.pipeline.runtime.unbarriered_loop import while_loop_without_barrier
@@ -45,8 +46,8 @@ def run_rolled(builder, rolled: RolledSchedule, traced_stages):
             rolled.start_in_flight, traced_stages, builder.executor.stage_device_names
         )
         builder.restore_state(dict(start, gates={}), traced_stages)
-    for action in rolled.prologue:
-        builder.build(action)
+    partners = pair_partners(rolled.schedule)
+    builder.build_all(rolled.prologue, partners)
     prologue_results = (dict(builder.outputs), dict(builder.losses))
     sums = GradientSums(builder, traced_stages, summed_stages)
     devices = builder.executor.stage_device_names
@@ -63,10 +64,12 @@ def run_rolled(builder, rolled: RolledSchedule, traced_stages):
         builder.index_of = lambda label: rolled.microbatch_in_round(label, round_index)
         builder.outputs, builder.losses = {}, {}
         sums.enter_round(dense_sums)
+        pairing = builder.pairing(body_pair_partners(rolled))
         for action in rolled.body:
+            pair_gate = pairing.gate_for(action)  # None for an action some rounds skip
             runs = rolled.rounds_run(action)
             if len(runs) == rolled.rounds:
-                builder.build(action)
+                builder.build(action, pair_gate)
                 continue
             runs_now = tf.logical_and(round_index >= runs.start, round_index < runs.stop)
             with tf.device(devices[action.stage]):  # where the cond's merges run
@@ -117,8 +120,7 @@ def run_rolled(builder, rolled: RolledSchedule, traced_stages):
     outputs.read(output_arrays, looped_outputs, builder)
     stamps.read(stamp_arrays, builder)
     sums.leave_loop(dense_sums, sparse_arrays)
-    for action in rolled.epilogue:
-        builder.build(action)
+    builder.build_all(rolled.epilogue, partners)
     return builder.result()
 
 

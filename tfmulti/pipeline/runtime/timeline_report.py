@@ -11,13 +11,15 @@ import keras
 import tensorflow as tf
 
 from tfmulti.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Schedule
+from tfmulti.pipeline.overlapped_pairs import pair_partners
 from tfmulti.pipeline.runtime.measured import bubble_fraction, peak_stashed_activations
 from tfmulti.pipeline.simulate import CostModel, StageCost, simulate
 from tfmulti.pipeline.timeline import TimelinePanel, save_timeline_png, write_chrome_trace
 
 
 def measured_costs(records: Sequence, schedule: Schedule) -> CostModel:
-    """Per stage, the mean measured F, backward and W times, as a cost model for the simulator."""
+    """Per stage, the mean measured F, backward and W times, and per overlapped pair of
+    stages the mean measured pair time, as a cost model for the simulator."""
     durations = {}
     for record in records:
         key = (record.action.stage, record.action.kind)
@@ -35,7 +37,20 @@ def measured_costs(records: Sequence, schedule: Schedule) -> CostModel:
             backward = mean(stage, BACKWARD)
             weight_grad = backward / 2
         stages.append(StageCost(mean(stage, FORWARD), backward, weight_grad))
-    return CostModel(tuple(stages))
+    return CostModel(tuple(stages), pair_times=_measured_pair_times(records, schedule))
+
+
+def _measured_pair_times(records: Sequence, schedule: Schedule) -> dict:
+    """Per (forward stage, backward stage), the mean measured time of an overlapped pair:
+    from its first action's start to its last action's end."""
+    by_action = {record.action: record for record in records}
+    spans = {}
+    for second, first in pair_partners(schedule).items():
+        if first in by_action and second in by_action:
+            both = (by_action[first], by_action[second])
+            key = (first.stage, second.stage)
+            spans.setdefault(key, []).append(max(r.end for r in both) - min(r.start for r in both))
+    return {key: statistics.fmean(times) for key, times in spans.items()}
 
 
 def write_timeline_report(records: Sequence, schedule: Schedule, directory: str, step: int) -> dict:
