@@ -121,8 +121,18 @@ def one_device_user_metrics(user_env, shared_dir):
             "--schedule=gpipe",
             "--partition=layers:hidden_2",
         ),
+        *(
+            (
+                "--strategy=pipeline",
+                "--virtual_devices=2",
+                "--chunks=2",
+                "--microbatches=4",
+                f"--schedule={schedule}",
+            )
+            for schedule in ("zbv", "dualpipev")
+        ),
     ],
-    ids=["pipeline", "pipeline_named"],
+    ids=["pipeline", "pipeline_named", "zbv", "dualpipev"],
 )
 def test_user_model_trains_like_one_device(
     tmp_path, user_env, one_device_user_metrics, strategy_flags

@@ -132,37 +132,50 @@ def test_zbv_trains_to_the_weights_of_one_device(num_devices, num_microbatches, 
         assert loops_in_step(pipeline, x, y) == 1
 
 
+# (devices, Transformer layers, micro-batches): 2 layers cut into 4 stages over 2 devices,
+# 6 layers into 8 stages over 4 devices; 32 rows, so 2 and 4 rows a micro-batch.
+TRANSFORMER_CASES = [(2, 2, 16), (4, 6, 8)]
+
+
 @pytest.fixture(scope="module")
-def whole_transformer(shared_dir):
-    """The reference transformer trained whole for three Adam steps, once for both
-    schedules' tests: `(last loss, weights)`."""
+def whole_transformers(shared_dir):
+    """The reference transformer of each case's size, trained whole for three Adam steps
+    once for both schedules' tests: `num_layers -> (last loss, weights)`."""
 
-    def fill(directory):
-        (x, y), loss, whole, _ = token_transformer_and_stages(num_layers=2, num_stages=4)
-        whole.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
-        for _ in range(3):
-            whole_loss = whole.train_on_batch(x, y)
-        np.savez(os.path.join(directory, "whole.npz"), whole_loss, *whole.get_weights())
+    def trained(num_layers):
+        def fill(directory):
+            (x, y), loss, whole, _ = token_transformer_and_stages(num_layers, num_stages=4)
+            whole.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+            for _ in range(3):
+                whole_loss = whole.train_on_batch(x, y)
+            np.savez(os.path.join(directory, "whole.npz"), whole_loss, *whole.get_weights())
 
-    with np.load(os.path.join(shared_dir("zbv_whole_transformer", fill), "whole.npz")) as saved:
-        arrays = [saved[f"arr_{index}"] for index in range(len(saved.files))]
-    return arrays[0], arrays[1:]
+        directory = shared_dir(f"zbv_whole_transformer_{num_layers}", fill)
+        with np.load(os.path.join(directory, "whole.npz")) as saved:
+            arrays = [saved[f"arr_{index}"] for index in range(len(saved.files))]
+        return arrays[0], arrays[1:]
+
+    return trained
 
 
+@pytest.mark.parametrize("num_devices, num_layers, num_microbatches", TRANSFORMER_CASES)
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
-def test_the_reference_transformer_at_16_micro_batches_trains_like_the_whole_model(
-    whole_transformer, schedule
+def test_the_reference_transformer_trains_like_the_whole_model(
+    whole_transformers, schedule, num_devices, num_layers, num_microbatches
 ):
-    # Four stages over two devices in V order, 2 rows a micro-batch, Adam, sparse
-    # embedding gradients: the whole model's weights after three steps.
-    (x, y), loss, _, stages = token_transformer_and_stages(num_layers=2, num_stages=4)
-    pipeline = PipelineModel(stages, logical_device_names("CPU")[:2], 16, schedule)
+    # 2p stages over p devices in V order, Adam, sparse embedding gradients: the whole
+    # model's weights after three steps.
+    num_stages = 2 * num_devices
+    (x, y), loss, _, stages = token_transformer_and_stages(num_layers, num_stages)
+    devices = logical_device_names("CPU")[:num_devices]
+    pipeline = PipelineModel(stages, devices, num_microbatches, schedule)
     pipeline.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
     pipeline(x)
-    assert pipeline.schedule.name == schedule and pipeline.schedule.stage_devices == (0, 1, 1, 0)
+    v_order = tuple(range(num_devices)) + tuple(reversed(range(num_devices)))
+    assert pipeline.schedule.name == schedule and pipeline.schedule.stage_devices == v_order
     for _ in range(3):
         pipeline_loss = pipeline.train_on_batch(x, y)
-    whole_loss, whole_weights = whole_transformer
+    whole_loss, whole_weights = whole_transformers(num_layers)
     np.testing.assert_allclose(pipeline_loss, whole_loss, rtol=1e-5)
     for expected, actual in zip(whole_weights, pipeline.get_weights(), strict=True):
         np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
