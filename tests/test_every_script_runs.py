@@ -60,15 +60,16 @@ SMALLEST = {
         "--reduce_shapes=2x4x8",
         "--reduce_blocks=1",
     ),
-    # Schedules of one chunk, of two chunks, and with a split backward.
+    # Schedules of one chunk, with a split backward, and of two chunks with overlapped pairs.
     "benchmark_pipeline.py": (
-        "--schedules=1f1b,interleaved_1f1b,zb_h1",
+        "--schedules=1f1b,zb_h1,dualpipev",
         "--num_devices=2",
-        "--microbatches=2",
+        "--microbatches=4",
         "--forward_ms=1",
         "--batch_size=8",
         "--steps=1",
-        "--timeline_microbatches=2",
+        "--repeats=2",
+        "--timeline_microbatches=4",
         "--memory_microbatches=2",
         "--real_num_layers=1",
         "--real_d_model=8",
@@ -242,10 +243,12 @@ def test_benchmark_pipeline_records_fidelity_memory_and_compute_and_draws_them(t
     records = json_values(stdout)[-1]
     assert records == json.loads(out.read_text())
     fidelity = [r for r in records if r["benchmark"] == "fidelity" and "measured_s" in r]
-    schedules = ["1f1b", "interleaved_1f1b", "zb_h1"]
+    schedules = ["1f1b", "zb_h1", "dualpipev"]
     assert [r["schedule"] for r in fidelity] == schedules
     for record in fidelity:
         assert _finite_positive(record["measured_s"], record["simulated_s"], record["speedup"])
+        runs = record["measured_over_simulated_at_hold_cost_runs"]
+        assert len(runs) == 2 and record["measured_over_simulated_at_hold_cost"] in runs
     assert [r["schedule"] for r in records if r["schedule"] == "zb_h1_vs_1f1b"]
     memory = [r for r in records if r["benchmark"] == "memory"]
     assert [(r["schedule"], r["stage"]) for r in memory] == [
@@ -260,7 +263,7 @@ def test_benchmark_pipeline_records_fidelity_memory_and_compute_and_draws_them(t
     assert _finite_positive(*(r["examples_per_s"] for r in compute))
     assert_valid_png(plot)
     for schedule in schedules:
-        assert_valid_png(tmp_path / "pipeline_timelines" / f"timeline_{schedule}_m2.png")
+        assert_valid_png(tmp_path / "pipeline_timelines" / f"timeline_{schedule}_m4.png")
 
 
 def test_benchmark_startup_records_each_kind_in_a_fresh_process_and_draws_them(tmp_path):
