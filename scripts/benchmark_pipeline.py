@@ -27,6 +27,7 @@ Example:
 """
 
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -213,18 +214,10 @@ def _chain_seconds(unit, calls):
     return statistics.median(times)
 
 
-def _pair_times(schedule, pair_seconds: float) -> dict:
-    """Every (forward stage, backward stage) pair of `schedule` taking `pair_seconds`."""
-    return {
-        (actions[start].stage, actions[start + 1].stage): pair_seconds
-        for device, actions in enumerate(schedule.device_actions)
-        for start in schedule.pair_starts(device)
-    }
-
-
 def _measured_and_simulated_at_hold_cost(model, x, y, hold_seconds):
     """One measured step time of `model`, then its simulated makespan with each hold (and
     each overlapped pair) at what it costs alone, timed right after; and that hold cost."""
+    from tfmulti.pipeline.overlapped_pairs import pair_times
     from tfmulti.pipeline.simulate import CostModel, simulate
 
     measured = _median_step_seconds(model, x, y, FLAGS.steps)
@@ -233,7 +226,9 @@ def _measured_and_simulated_at_hold_cost(model, x, y, hold_seconds):
     held_costs = CostModel.uniform(schedule.num_stages, hold_cost, 2 * hold_cost, hold_cost)
     if schedule.overlapped_pairs:
         pair_cost = _hold_pair_seconds(hold_seconds, hold_seconds, hold_seconds)
-        held_costs = dataclasses.replace(held_costs, pair_times=_pair_times(schedule, pair_cost))
+        held_costs = dataclasses.replace(
+            held_costs, pair_times=pair_times(schedule, lambda *pair: pair_cost)
+        )
     return measured, simulate(schedule, held_costs).makespan, hold_cost
 
 
@@ -264,6 +259,7 @@ def _batch(rows, features=8):
 
 
 def fidelity_records(timeline_dir):
+    from tfmulti.pipeline.overlapped_pairs import pair_times
     from tfmulti.pipeline.runtime import write_timeline_report
     from tfmulti.pipeline.schedules import SCHEDULE_CHUNKS, build_schedule
     from tfmulti.pipeline.simulate import CostModel, simulate
@@ -286,9 +282,8 @@ def fidelity_records(timeline_dir):
             forward = FLAGS.forward_ms / 1e3 / m
             costs = CostModel.uniform(p, forward, 2 * forward, forward).split_into_chunks(chunks)
             # An overlapped pair of holds takes its longer half: the backward, I then W.
-            costs = dataclasses.replace(
-                costs, pair_times=_pair_times(model.schedule, 2 * forward / chunks)
-            )
+            pair = functools.partial(lambda seconds, *halves: seconds, 2 * forward / chunks)
+            costs = dataclasses.replace(costs, pair_times=pair_times(model.schedule, pair))
             simulated = simulate(model.schedule, costs).makespan
             runs = [
                 _measured_and_simulated_at_hold_cost(model, x, y, forward / chunks)

@@ -113,12 +113,18 @@ def test_1f1b_stages_on_two_workers_train_like_one_device(one_f_one_b_run, one_d
     assert_stages_on_both_workers_train_like(model_dir, one_device_dir)
 
 
-def test_zbv_stages_on_two_workers_train_like_one_device(tmp_path, one_device_dir):
-    # ZB-V: 2 devices of two chunks each in a V (the MLP's 4 blocks), one device per worker:
-    # stages 0 and 3 on the chief, 1 and 2 on worker 1 (the last --num_stages counts).
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_shaped_stages_on_two_workers_train_like_one_device(tmp_path, one_device_dir, schedule):
+    # ZB-V and DualPipeV: 2 devices of two chunks each in a V (the MLP's 4 blocks), one
+    # device per worker: stages 0 and 3 on the chief, 1 and 2 on worker 1 (the last
+    # --num_stages counts). DualPipeV's overlapped pairs then wait on the other worker.
     model_dir = str(tmp_path / "run")
     returncode, output = launch_on_two_workers(
-        *PIPELINE, "--schedule=zbv", "--num_stages=2", "--chunks=2", f"--model_dir={model_dir}"
+        *PIPELINE,
+        f"--schedule={schedule}",
+        "--num_stages=2",
+        "--chunks=2",
+        f"--model_dir={model_dir}",
     )
     assert returncode == 0, output[-3000:]
     assert_stages_on_both_workers_train_like(model_dir, one_device_dir)

@@ -69,6 +69,7 @@ MACHINE = MachineCosts(
     allreduce_latency=1e-3,
     allreduce_bandwidth=1e9,
     serial_fraction=0.9,
+    pair_fraction=0.8,
     relative_spread=0.05,
     num_devices=4,
 )
@@ -101,6 +102,31 @@ def test_pipeline_step_pays_the_executor_per_action_and_per_round():
     actions, rounds = executed_actions(build_schedule("1f1b", 2, 4))
     assert (actions, rounds) == (24, 6)
     assert layout.overhead_time == pytest.approx(0.005 + 0.002 + 24 * 3e-4 + 6 * 2e-4)
+
+
+def test_dualpipev_pairs_take_the_machines_pair_fraction_of_their_halves():
+    from tfmulti.pipeline.simulate import CostModel, StageCost, simulate
+
+    blocks = blocks_at(_costs(), 2, 1, Hardware())
+    plan = build_schedule("dualpipev", 2, 4)
+    stages = [StageCost(b.forward_time, b.backward_time) for b in blocks]
+    predicted = {}
+    for fraction in (1.0, 0.6):
+        hardware = Hardware(machine=MachineCosts(pair_fraction=fraction))
+        layout = score_layout(blocks, HybridMesh(pipe=2), "dualpipev", 4, 2, (1, 2, 3), hardware)
+        # The simulator with every pair's time written out by hand.
+        pairs = {}
+        for device, actions in enumerate(plan.device_actions):
+            for start in plan.pair_starts(device):
+                forward, backward = actions[start], actions[start + 1]
+                both = stages[forward.stage].forward + stages[backward.stage].backward
+                pairs[(forward.stage, backward.stage)] = fraction * both
+        assert len(pairs) == 4  # (0, 3), (3, 0), (1, 2), (2, 1)
+        transfer = max(b.activation_bytes for b in blocks[:-1]) / hardware.bandwidth
+        expected = simulate(plan, CostModel(tuple(stages), transfer, pairs)).makespan
+        assert layout.pipeline_time == pytest.approx(expected)
+        predicted[fraction] = layout.pipeline_time
+    assert predicted[0.6] < predicted[1.0]
 
 
 def test_without_machine_costs_nothing_is_added():
@@ -154,7 +180,10 @@ def test_allreduce_and_device_overlap_are_measured_on_logical_devices():
     assert latency > 0 and bandwidth > 0
     serial = machine_benchmarks._serial_fraction(devices, spreads)
     assert 0.5 <= serial <= 1.0
-    assert len(spreads) == 4 and all(spread >= 0 for spread in spreads)
+    # Two chains at once on one device: an overlapped pair's share of its halves.
+    pair = machine_benchmarks._serial_fraction(devices[:1] * 2, spreads)
+    assert 0.5 <= pair <= 1.0
+    assert len(spreads) == 6 and all(spread >= 0 for spread in spreads)
 
 
 def test_a_models_own_overlap_is_measured_on_logical_devices_with_its_copies():

@@ -8,6 +8,8 @@ only where it is a pair of the schedule in every round.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tfmulti.pipeline.actions import Action, Schedule
 from tfmulti.pipeline.round_loop import RolledSchedule
 
@@ -26,6 +28,17 @@ def pair_partners(schedule: Schedule) -> dict[Action, Action]:
         for start in schedule.pair_starts(device):
             partners[actions[start + 1]] = actions[start]
     return partners
+
+
+def pair_times(
+    schedule: Schedule, pair_seconds: Callable[[Action, Action], float]
+) -> dict[tuple[int, int], float]:
+    """`CostModel.pair_times` for `schedule`: each (forward stage, backward stage) of its
+    overlapped pairs, timed by `pair_seconds(forward, backward)`."""
+    return {
+        (first.stage, second.stage): pair_seconds(first, second)
+        for second, first in pair_partners(schedule).items()
+    }
 
 
 def body_pair_partners(rolled: RolledSchedule) -> dict[Action, Action]:

@@ -11,7 +11,10 @@ small benchmarks and keeps them in the cost cache beside the block costs. The te
 - an all-reduce's latency and bandwidth between the logical devices;
 - how much logical devices of one processor overlap: `serial_fraction` is the share of
   every device's work added up that runs one after the other (1: none overlaps, as for
-  logical CPU devices sharing the cores; 1/n: n devices run fully in parallel).
+  logical CPU devices sharing the cores; 1/n: n devices run fully in parallel);
+- how much two independent pieces of work on one device overlap: `pair_fraction`, the
+  time of both at once over the two one after the other, is what an overlapped F&B pair
+  of DualPipeV costs against its forward and backward.
 
 Each term carries its measured relative spread, which `step_uncertainty` turns into the
 uncertainty printed beside a predicted step time.
@@ -38,6 +41,9 @@ class MachineCosts:
         allreduce_latency: fixed time of one all-reduce over the logical devices.
         allreduce_bandwidth: bytes per second an all-reduce moves beyond its latency.
         serial_fraction: share of the devices' summed busy time that serialises.
+        pair_fraction: time of two independent pieces of work started together on one
+            device over their time one after the other, within [1/2, 1]: an overlapped
+            pair's time over its forward's and backward's.
         relative_spread: the benchmarks' relative spread (interquartile range / median),
             the uncertainty these terms carry.
         num_devices: logical devices the benchmarks ran on.
@@ -53,6 +59,7 @@ class MachineCosts:
     allreduce_latency: float = 0.0
     allreduce_bandwidth: float = 10e9
     serial_fraction: float = 0.0
+    pair_fraction: float = 1.0
     relative_spread: float = 0.0
     num_devices: int = 1
 

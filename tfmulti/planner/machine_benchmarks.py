@@ -5,8 +5,9 @@ times is the framework: a Keras training step of a tiny model of two sizes on on
 (fixed cost, per variable) and under MirroredStrategy (per replica, per replica and
 variable), the pipeline
 executor on tiny stages (fixed cost, per action, per loop round), an
-all-reduce of two sizes (latency, bandwidth), and the same matrix products on one and
-on n logical devices at once (how much of their work serialises). Every figure is the
+all-reduce of two sizes (latency, bandwidth), the same matrix products on one and
+on n logical devices at once (how much of their work serialises), and two chains of them
+on one device at once (how much an overlapped pair's halves overlap). Every figure is the
 median of repeated steps, so a burst of load from other processes moves it little; the
 interquartile range over the median is kept as the terms' uncertainty.
 
@@ -93,6 +94,7 @@ def measure_machine_costs(devices: list[str]) -> MachineCosts:
         allreduce_latency=float(latency),
         allreduce_bandwidth=float(bandwidth),
         serial_fraction=float(_serial_fraction(devices, spreads)),
+        pair_fraction=float(_serial_fraction(devices[:1] * 2, spreads)),
         relative_spread=float(statistics.median(spreads)) if spreads else 0.0,
         num_devices=len(devices),
     )
@@ -262,7 +264,8 @@ def _allreduce_costs(devices: list[str], spreads: list[float]) -> tuple[float, f
 
 def _serial_fraction(devices: list[str], spreads: list[float]) -> float:
     """Time of the same matrix products on every device at once over n times one device's:
-    1 when the devices' work runs one after the other, 1/n when fully in parallel."""
+    1 when the devices' work runs one after the other, 1/n when fully in parallel. A
+    device listed twice runs two independent chains at once."""
     inputs = []
     for device in devices:
         with tf.device(device):

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from tfmulti.pipeline.actions import Schedule
 from tfmulti.pipeline.balance import Block
+from tfmulti.pipeline.overlapped_pairs import pair_times
 from tfmulti.pipeline.round_loop import loop_schedule
 from tfmulti.pipeline.schedules import build_schedule
 from tfmulti.pipeline.simulate import CostModel, StageCost, simulate
@@ -156,7 +157,19 @@ def score_layout(
         for stage in stage_blocks
     )
     sent_bytes = max((stage[-1].activation_bytes for stage in stage_blocks[:-1]), default=0.0)
-    cost_model = CostModel(stage_costs, sent_bytes / hardware.bandwidth)
+    pair_fraction = hardware.machine.pair_fraction if hardware.machine else 1.0
+    cost_model = CostModel(
+        stage_costs,
+        sent_bytes / hardware.bandwidth,
+        # An overlapped pair (DualPipeV) takes the measured share of its two halves' time.
+        pair_times=pair_times(
+            plan,
+            lambda forward, backward: (
+                pair_fraction
+                * (stage_costs[forward.stage].forward + stage_costs[backward.stage].backward)
+            ),
+        ),
+    )
     result = simulate(plan, cost_model)
     pipeline_time, bubble_fraction = result.makespan, result.bubble_fraction
     if cross_host_axis == "pipe":
