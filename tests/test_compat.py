@@ -10,7 +10,7 @@ import pytest
 
 import tfmulti.compat
 from tests.workers.local_cluster import REPO_ROOT, assert_all_workers_succeeded, run_local_cluster
-from tfmulti.compat import keras_lazy_wrappers, keras_multi_worker, worker_paths
+from tfmulti.compat import keras_lazy_modules, keras_multi_worker, worker_paths
 
 # What the unpatched Keras function does under a real 2-worker strategy today.
 UPSTREAM_FAILURES = {
@@ -63,33 +63,43 @@ def test_fixes_are_active_whichever_import_comes_first(code):
     )
 
 
-def test_keras_executes_its_scikit_learn_wrappers_only_when_a_program_reads_them():
+def test_keras_executes_its_wrappers_and_visualization_only_when_a_program_reads_them():
     # A training process: digits, an autograph-converted function (autograph reads every
-    # loaded module's __file__), then a user reaching for the wrappers.
+    # loaded module's __file__), then a user reaching for the wrappers and the plots.
     loaded = run_python(
         "import sys, tfmulti, tensorflow as tf, keras\n"
         "from tfmulti.data.digits import load_digits\n"
         "load_digits()\n"
         "tf.function(lambda x: x + 1)(tf.constant(1))\n"
-        "before = 'sklearn' in sys.modules\n"
+        "before = 'sklearn' in sys.modules, 'matplotlib' in sys.modules\n"
         "from keras.wrappers import SKLearnClassifier\n"
-        "print(before, SKLearnClassifier.__name__, 'sklearn' in sys.modules)"
+        "from keras.visualization import plot_image_gallery\n"
+        "import keras.src.visualization as internal\n"
+        "print(before, SKLearnClassifier.__name__, plot_image_gallery.__name__,\n"
+        "      internal.plot_image_gallery.__name__, 'sklearn' in sys.modules,\n"
+        "      'matplotlib.pyplot' in sys.modules)"
     )
-    assert loaded == "False SKLearnClassifier True"
+    assert loaded == (
+        "(False, False) SKLearnClassifier plot_image_gallery "
+        "keras.src.visualization.plot_image_gallery True True"
+    )
 
 
-def test_upstream_keras_still_imports_scikit_learn_when_it_loads():
-    loaded = run_python("import sys, keras; print('sklearn' in sys.modules)")
-    assert loaded == "True", (
-        "Keras no longer imports scikit-learn eagerly: remove tfmulti/compat/keras_lazy_wrappers.py"
+def test_upstream_keras_still_imports_scikit_learn_and_matplotlib_when_it_loads():
+    loaded = run_python(
+        "import sys, keras; print('sklearn' in sys.modules, 'matplotlib.pyplot' in sys.modules)"
+    )
+    assert loaded == "True True", (
+        "Keras no longer imports scikit-learn or matplotlib eagerly: drop that module from "
+        "tfmulti/compat/keras_lazy_modules.py's LAZY_MODULES"
     )
 
 
 @pytest.mark.parametrize(
     "version, applies", [((3, 8), False), ((3, 9), True), ((3, 15, 1), True), ((3, 16), False)]
 )
-def test_lazy_wrappers_apply_only_to_the_keras_versions_checked(version, applies):
-    assert keras_lazy_wrappers.applies_to(version) == applies
+def test_lazy_modules_apply_only_to_the_keras_versions_checked(version, applies):
+    assert keras_lazy_modules.applies_to(version) == applies
 
 
 def test_install_is_idempotent():

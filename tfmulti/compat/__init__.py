@@ -73,9 +73,9 @@ def install_when_keras_loads(then: Callable[[], None] | None = None) -> None:
     if "keras" in sys.modules:
         install()
     elif not any(isinstance(finder, _KerasImportHook) for finder in sys.meta_path):
-        from tfmulti.compat import keras_lazy_wrappers
+        from tfmulti.compat import keras_lazy_modules
 
-        keras_lazy_wrappers.install_before_keras_loads()
+        keras_lazy_modules.install_before_keras_loads()
         sys.meta_path.insert(0, _KerasImportHook())
 
 
