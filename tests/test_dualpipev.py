@@ -88,6 +88,9 @@ def test_a_pair_that_is_not_a_forward_then_a_backward_is_refused_in_one_line():
     bad = Schedule("pairs", 2, schedule.stage_devices, schedule.device_actions, ((1,),))
     with pytest.raises(ScheduleError, match=r"B0\.0\+F0\.1 on device 0 must be a forward"):
         validate_schedule(bad)
+    one_stage = Schedule("pairs", 2, schedule.stage_devices, schedule.device_actions, ((0,),))
+    with pytest.raises(ScheduleError, match=r"F0\.0\+B0\.0 on device 0 runs one stage twice"):
+        validate_schedule(one_stage)
     past_the_end = Schedule("pairs", 2, schedule.stage_devices, schedule.device_actions, ((3,),))
     with pytest.raises(ScheduleError, match="position 3 on device 0"):
         validate_schedule(past_the_end)

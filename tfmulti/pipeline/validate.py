@@ -84,6 +84,11 @@ def _check_pairs(schedule: Schedule) -> None:
                     f"Overlapped pair {first}+{second} on device {device} must be a forward "
                     "followed by a backward (B or I)."
                 )
+            if first.stage == second.stage:
+                raise ScheduleError(
+                    f"Overlapped pair {first}+{second} on device {device} runs one stage twice "
+                    "at once; pair the forward of one stage with the backward of another."
+                )
             previous = index
 
 
