@@ -4,6 +4,7 @@ import glob
 import json
 import os
 import shutil
+import time
 
 import keras
 import numpy as np
@@ -85,12 +86,19 @@ def test_resume_continues_from_the_saved_epoch_and_records_each_epoch_once(finis
     assert refused.returncode != 0
     assert "--resume" in last_line(refused.stderr)
 
+    started = time.monotonic()
     resumed = run_script("train.py", *COMMON, "--epochs=3", "--resume", f"--model_dir={model_dir}")
+    wall_seconds = time.monotonic() - started
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Epoch 3/3" in resumed.stdout + resumed.stderr
     assert "Epoch 1/3" not in resumed.stdout + resumed.stderr
     metrics = _metrics(model_dir)
     assert [epoch["epoch"] for epoch in metrics["epochs"]] == [1, 2, 3]
+    # One start for the first run and one for the resume; this process's first step came
+    # after its imports (a second at least) and before it exited.
+    first, resumed_start = metrics["starts"]
+    assert first["time"] < resumed_start["time"]
+    assert 1.0 < resumed_start["seconds_to_first_step"] < wall_seconds
 
 
 def test_resuming_with_another_layout_is_one_line_and_leaves_the_run_as_it_was(

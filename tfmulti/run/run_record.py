@@ -12,6 +12,10 @@ Keys:
         already trained), "checkpoint", "time" (seconds since the epoch, UTC)}.
     membership: one record per start on a new set of workers: {"workers", "slots",
         "left", "joined", "epoch", "step", "global_step", "time"} (see `note_membership`).
+    starts: one record per start of the training process (the first run and each resume):
+        {"seconds_to_first_step" (from the process's start to the end of its first
+        training step, or null where the system does not say when the process started),
+        "time"}.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from absl import logging
 
 from tfmulti.files import write_json_atomically
 from tfmulti.platform.membership import MEMBERSHIP_VARIABLE
+from tfmulti.platform.process_age import process_age_seconds
 
 METRICS_FILE = "metrics.json"
 
@@ -50,7 +55,7 @@ class RunRecord:
 
     def __init__(self, directory: str | None, run: dict, resume_from_epoch: int | None = None):
         self.path = os.path.join(directory, METRICS_FILE) if directory else None
-        epochs, resumes, preemptions, membership = [], [], [], []
+        epochs, resumes, preemptions, membership, starts = [], [], [], [], []
         self._previous = None
         if resume_from_epoch is not None and self.path and os.path.exists(self.path):
             with open(self.path) as handle:
@@ -60,6 +65,7 @@ class RunRecord:
             resumes = previous.get("resumes", [])
             preemptions = previous.get("preemptions", [])
             membership = previous.get("membership", [])
+            starts = previous.get("starts", [])
         self.record = {
             "run": run,
             "status": "running",
@@ -68,6 +74,7 @@ class RunRecord:
             "resumes": resumes,
             "preemptions": preemptions,
             "membership": membership,
+            "starts": starts,
         }
         self.record["final"] = {}
         self.write()
@@ -94,6 +101,13 @@ class RunRecord:
             self.record["membership"].append(entry)
             self.write()
 
+    def add_start(self, seconds_to_first_step: float | None) -> None:
+        """Notes how long this process took to finish its first training step."""
+        self.record["starts"].append(
+            {"seconds_to_first_step": seconds_to_first_step, "time": time.time()}
+        )
+        self.write()
+
     def add_epoch(self, epoch: int, logs: dict) -> None:
         self.record["epochs"].append(
             {"epoch": epoch, **{name: _plain(value) for name, value in logs.items()}}
@@ -116,6 +130,24 @@ class RunRecord:
     def write(self) -> None:
         if self.path:
             write_json_atomically(self.path, self.record)
+
+
+class RecordFirstStep(keras.callbacks.Callback):
+    """Adds a `RunRecord` start once this process's first training step has finished: how
+    long after the process started (`process_age_seconds`), a user's time to first step."""
+
+    # Keras runs async-safe batch hooks once the step's logs are values, so the step is done.
+    async_safe = True
+
+    def __init__(self, record: RunRecord):
+        super().__init__()
+        self.record = record
+        self.recorded = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.recorded:
+            self.recorded = True
+            self.record.add_start(process_age_seconds())
 
 
 class RecordEpochs(keras.callbacks.Callback):

@@ -25,7 +25,13 @@ from tfmulti.run.epoch_checkpoint import EpochCheckpoint, latest_checkpoint
 from tfmulti.run.model_setup import build_compiled_model
 from tfmulti.run.preemption import SaveOnPreemption
 from tfmulti.run.profiling import ProfileSteps
-from tfmulti.run.run_record import METRICS_FILE, RecordEpochs, RunRecord, note_membership
+from tfmulti.run.run_record import (
+    METRICS_FILE,
+    RecordEpochs,
+    RecordFirstStep,
+    RunRecord,
+    note_membership,
+)
 from tfmulti.run.step_checkpoint import (
     ResumePoint,
     ResumeRun,
@@ -116,6 +122,7 @@ def standard_callbacks(
             log_steps=config.run.log_steps,
             log_dir=os.path.join(logs_dir, "train"),
         ),
+        RecordFirstStep(record),
         step_checkpoint,
         EpochCheckpoint(os.path.join(output_dir, "checkpoints"), keep=config.run.keep_checkpoints),
         *user_callbacks,
