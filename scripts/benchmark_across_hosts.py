@@ -16,15 +16,17 @@ group), and reports:
   output), plus the labels the chief feeds to the last stage; and the measured figure,
   the bytes of every TCP connection between the workers' gRPC ports over the timed steps
   (the kernel's per-socket counters as `ss -ti` shows them), divided by the steps.
-Then the ratios across hosts / one host. `--norolled` traces every action of the step
-instead of the runtime's loop over rounds, whose loop state crosses hosts every round.
+Then the ratios across hosts / one host. As `scripts/train.py` runs them, steps roll into
+the runtime's loop over rounds on one host and trace every action across hosts, where a
+loop's state would cross hosts every round; `--norolled` unrolls the one-host runs too,
+`--rolled_across_hosts` rolls the runs across hosts.
 
 Prints JSON records, one per run, then the comparisons; `--out` writes them all, `--plot`
 draws step time, start-up and bytes per step.
 
 Example:
     python scripts/benchmark_across_hosts.py --out=/tmp/across.json --plot=/tmp/across.png
-    python scripts/benchmark_across_hosts.py --norolled --layouts=hybrid --steps=20
+    python scripts/benchmark_across_hosts.py --rolled_across_hosts --layouts=hybrid --steps=20
 """
 
 import os
@@ -60,8 +62,14 @@ flags.DEFINE_enum("schedule", "1f1b", ("gpipe", "1f1b", "zb_h1"), "Pipeline sche
 flags.DEFINE_boolean(
     "rolled",
     True,
-    "Let the pipeline runtime roll each step's steady state into a loop over rounds "
-    "(--norolled: trace every action, PipelineModel(rolled=False)).",
+    "On one host, let the pipeline runtime roll each step's steady state into a loop "
+    "over rounds, as train.py does (--norolled: trace every action).",
+)
+flags.DEFINE_boolean(
+    "rolled_across_hosts",
+    False,
+    "Across hosts, roll the step too; train.py does not (a loop's state would cross hosts "
+    "every round).",
 )
 flags.DEFINE_integer("steps", 10, "Timed steps after the first.", lower_bound=1)
 flags.DEFINE_string("only", None, "Measure one run LAYOUT:PLACE in this process (internal).")
@@ -108,7 +116,7 @@ def _stage_devices(layout: str, cluster) -> tuple[list[list[str]], int]:
     return [[group[0] for group in replica] for replica in groups], mesh.pipe // FLAGS.num_workers
 
 
-def _build(layout: str, replica_devices: list[list[str]]):
+def _build(layout: str, replica_devices: list[list[str]], rolled: bool):
     from tfmulti.hybrid import HybridPipelineModel
     from tfmulti.pipeline.runtime import PipelineModel, partition_blocks, stages_from_blocks
 
@@ -119,7 +127,6 @@ def _build(layout: str, replica_devices: list[list[str]]):
         return stages_from_blocks(blocks, partition_blocks(blocks, num_stages).boundaries)
 
     def make_pipeline(devices: list[str]) -> PipelineModel:
-        rolled = None if FLAGS.rolled else False
         return PipelineModel(
             make_stages(), devices, FLAGS.microbatches, FLAGS.schedule, rolled=rolled
         )
@@ -200,7 +207,8 @@ def measure(layout: str, place: str) -> dict:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, VOCAB, size=(FLAGS.batch_size, FLAGS.sequence_length + 1))
     data = (tf.constant(tokens[:, :-1], tf.int32), tf.constant(tokens[:, 1:], tf.int32))
-    model = _build(layout, replica_devices)
+    rolled = FLAGS.rolled_across_hosts if cluster else FLAGS.rolled
+    model = _build(layout, replica_devices, rolled)
     model.compile(
         optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     )
@@ -229,7 +237,7 @@ def measure(layout: str, place: str) -> dict:
         "place": place,
         "stages": FLAGS.num_stages if layout == "pipeline" else None,
         "mesh": FLAGS.mesh if layout == "hybrid" else None,
-        "rolled": FLAGS.rolled,
+        "rolled": rolled,
         "replica_devices": replica_devices,
         "first_step_unix": first_step_unix,
         "first_step_cpu_s": first_step_cpu_s,
@@ -271,6 +279,7 @@ def _own_flags() -> list[str]:
         "schedule",
         "steps",
         "rolled",
+        "rolled_across_hosts",
     )
     return [f"--{name}={FLAGS[name].value}" for name in names]
 
@@ -362,7 +371,8 @@ def plot(records: list[dict], path: str) -> None:
     axes[2].legend(fontsize=8)
     figure.suptitle(
         f"One host against {FLAGS.num_workers} workers x {FLAGS.devices_per_worker} devices, "
-        f"{'rolled' if FLAGS.rolled else 'unrolled (--norolled)'} steps"
+        f"steps {'rolled' if FLAGS.rolled else 'unrolled'} on one host, "
+        f"{'rolled' if FLAGS.rolled_across_hosts else 'unrolled'} across hosts"
     )
     figure.tight_layout()
     figure.savefig(path)

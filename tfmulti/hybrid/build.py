@@ -192,6 +192,8 @@ def build_hybrid_model_from_model(
     if mesh.tensor > 1:
         _check_tensor_split(mesh, None, chunks)  # a whole model has no split layers
     replica_devices = [[group[0] for group in replica] for replica in groups]
+    # Unrolled across workers, as `build_hybrid_model`'s replicas (see there).
+    pipe_across_workers = cluster is not None and cross_host_axis == "pipe"
 
     def make_replica(index: int, devices_of_replica: list[str], first) -> PipelineModel:
         # Replica 0 cuts the model; the copies are cut at the same calls.
@@ -205,6 +207,7 @@ def build_hybrid_model_from_model(
             remat=remat,
             sample_input=sample_input,
             cost_cache=cost_cache if first is None else None,
+            rolled=False if pipe_across_workers else None,
         )
 
     return _hybrid_of_pipelines(
