@@ -95,17 +95,22 @@ flags.register_multi_flags_validator(
 FLAGS = flags.FLAGS
 
 
+def _sleep_then_pass(seconds):
+    """A numpy_function body that holds its thread for `seconds`, then returns its first input."""
+
+    def sleep_then_pass(first, *unused):
+        time.sleep(seconds)
+        return first
+
+    return sleep_then_pass
+
+
 def _hold_stage_class():
     import keras
     import numpy as np
     import tensorflow as tf
 
-    def hold(seconds):
-        def sleep_then_pass(first, *unused):
-            time.sleep(seconds)
-            return first
-
-        return sleep_then_pass
+    hold = _sleep_then_pass
 
     class HoldStage(keras.layers.Layer):
         """Holds its device for fixed seconds per row in F, I and W; output equals input."""
@@ -188,12 +193,8 @@ def _chain_seconds(unit, calls):
     import tensorflow as tf
 
     def hold(seconds, inputs):
-        def sleep_then_pass(first, *unused):
-            time.sleep(seconds)
-            return first
-
         held = tf.numpy_function(
-            sleep_then_pass, [inputs[0] * 1.0, *inputs[1:]], tf.float32, stateful=False
+            _sleep_then_pass(seconds), [inputs[0] * 1.0, *inputs[1:]], tf.float32, stateful=False
         )
         held.set_shape(inputs[0].shape)
         return held

@@ -247,8 +247,8 @@ class _StepBuilder:
         previous action itself waited for), as the second of an overlapped pair: it
         waits for that instead, so both run at once, and the next action waits for both."""
         device = self.executor.device_of_stage[action.stage]
-        first_done = self.device_gate.get(device, []) if pair_gate is not None else []
-        gate = self.device_gate.get(device, []) if pair_gate is None else list(pair_gate)
+        previous = self.device_gate.get(device, [])
+        gate, first_done = (previous, []) if pair_gate is None else (list(pair_gate), previous)
         arriving = self._arriving_tensors(action)
         with tf.device(self.executor.stage_device_names[action.stage]):
             start = None
