@@ -10,7 +10,7 @@ import pytest
 
 from tfmulti.platform import cluster as cluster_lib
 from tfmulti.platform import input_sharding
-from tfmulti.platform.launcher import free_loopback_ports
+from tfmulti.platform.worker_places import free_loopback_ports
 
 HOSTS = ["127.0.0.1:2222", "127.0.0.1:2223", "127.0.0.1:2224"]
 

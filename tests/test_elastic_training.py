@@ -99,9 +99,9 @@ def tensorboard_worker_counts(model_dir) -> list[tuple[int, int]]:
     return sorted(counts)
 
 
-@pytest.fixture(scope="module")
-def one_device_run(shared_dir) -> str:
-    """The uninterrupted run on one device, which every elastic run must end like."""
+def one_device_reference(shared_dir) -> str:
+    """The uninterrupted run on one device, which every elastic run must end like (run
+    once per session)."""
 
     def fill(reference_dir: str) -> None:
         reference = run_script(
@@ -110,6 +110,11 @@ def one_device_run(shared_dir) -> str:
         assert reference.returncode == 0, reference.stderr[-3000:]
 
     return shared_dir("elastic-one_device", fill)
+
+
+@pytest.fixture(scope="module")
+def one_device_run(shared_dir) -> str:
+    return one_device_reference(shared_dir)
 
 
 def test_a_slot_killed_until_dropped_leaves_2_workers_that_end_like_the_uninterrupted_run(

@@ -23,12 +23,12 @@ from script_runner import (
     start_launched_training,
 )
 
-from tfmulti.platform.launcher import free_loopback_ports
 from tfmulti.platform.network_isolation import (
     IsolationUnavailable,
     PrivateNetwork,
     has_only_loopback,
 )
+from tfmulti.platform.worker_places import free_loopback_ports
 
 LAUNCH = os.path.join(REPO_ROOT, "scripts", "launch.py")
 LISTENING_WORKER = os.path.join(REPO_ROOT, "tests", "workers", "listening_worker.py")

@@ -1,4 +1,4 @@
-r"""`tfmulti-launch`: run a training command as a local multi-worker cluster.
+r"""`tfmulti-launch`: run a training command as a multi-worker cluster, here or over hosts.
 
 Usage:
     tfmulti-launch --num_workers=2 --devices_per_worker=2 --max_restarts=1 --isolation=auto \
@@ -7,6 +7,8 @@ Usage:
         -- python scripts/train.py --strategy=multi_worker --batch_size=24 --model_dir=/tmp/run
     tfmulti-launch --num_workers=2:4 --max_restarts_per_worker=1 --slots_from=slurm \
         -- python scripts/train.py --strategy=multi_worker --batch_size=24 --model_dir=/tmp/run
+    tfmulti-launch --num_workers=2 --hosts_file=hosts.txt --remote_shell="ssh -o BatchMode=yes" \
+        -- /opt/venv/bin/python scripts/train.py --strategy=pipeline --num_stages=4 ...
 """
 
 import functools
@@ -66,6 +68,15 @@ flags.register_multi_flags_validator(
         not (values["slots_from"] and (values["hosts_file"] or values["discovery_command"]))
     ),
     "--slots_from gives the slot list, as --hosts_file and --discovery_command do; keep one.",
+)
+flags.DEFINE_string(
+    "remote_shell",
+    None,
+    "Run each slot's worker on the slot's host (slots `host` or `host:index`, from "
+    "--hosts_file, --discovery_command or --slots_from): this machine's here, other hosts' "
+    "through this command, given the host and one shell line, e.g. 'ssh -o BatchMode=yes' "
+    "or 'srun --nodes=1 --ntasks=1 --overlap -w {host} sh -c'. Workers start in this "
+    "working directory there. Without it every worker runs here.",
 )
 flags.DEFINE_float(
     "rendezvous_timeout",
@@ -146,6 +157,7 @@ def _launch(argv: list[str]) -> None:
             slots_from=FLAGS.slots_from,
             mesh=mesh,
             cross_host_axis=cross_host_axis,
+            remote_shell=FLAGS.remote_shell,
         )
     )
 

@@ -16,8 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,8 +39,21 @@ from tfmulti.platform.network_isolation import (
     IsolationUnavailable,
     PrivateNetwork,
 )
+from tfmulti.platform.remote_shell import (
+    FORWARDED_VARIABLES,
+    RemoteShell,
+    RemoteShellError,
+    remote_command_line,
+    remote_python,
+)
 from tfmulti.platform.slurm_nodes import allocation_slots, host_of, is_this_machine
-from tfmulti.platform.worker_group import WorkerGroup
+from tfmulti.platform.worker_group import WorkerGroup, WorkerProcess
+from tfmulti.platform.worker_places import (
+    WorkerPlace,
+    loopback_places,
+    slot_places,
+    visible_gpu_count,
+)
 
 VIRTUAL_DEVICES_ENV = "TFMULTI_VIRTUAL_DEVICES"
 # Where an elastic launch's slots come from, besides a file or a command.
@@ -53,47 +64,24 @@ class LaunchError(ValueError):
     """Raised for a launch request that cannot be carried out."""
 
 
-def free_loopback_ports(count: int) -> list[int]:
-    """Returns `count` distinct TCP ports free on 127.0.0.1 right now."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def visible_gpu_count() -> int:
-    """Number of NVIDIA GPUs `nvidia-smi -L` lists; 0 without nvidia-smi."""
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        listing = subprocess.run(
-            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=True
-        ).stdout
-    except (subprocess.SubprocessError, OSError):
-        return 0
-    return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
-
-
 def worker_environments(
     num_workers: int,
     devices_per_worker: int | None = None,
     num_gpus: int = 0,
     base_environment: dict[str, str] | None = None,
+    places: Sequence[WorkerPlace] | None = None,
 ) -> list[dict[str, str]]:
-    """Environment of each worker: `TF_CONFIG` on fresh loopback ports, and its devices.
+    """Environment of each worker: `TF_CONFIG` naming every worker's address, and its devices.
 
     Args:
         num_workers: workers in the group.
-        devices_per_worker: GPUs per worker when `num_gpus` > 0 (default: an even
-            share), else logical CPU devices, passed as TFMULTI_VIRTUAL_DEVICES.
-        num_gpus: GPUs on this machine; each worker gets a CUDA_VISIBLE_DEVICES slice.
+        devices_per_worker: GPUs per worker when its host has GPUs (default: an even
+            share of them), else logical CPU devices, passed as TFMULTI_VIRTUAL_DEVICES.
+        num_gpus: GPUs on this machine, when `places` is not given; each worker gets a
+            CUDA_VISIBLE_DEVICES slice of its host's GPUs.
         base_environment: copied into every worker's environment; default os.environ.
+        places: where each worker runs (`worker_places`); default: all here, on fresh
+            loopback ports.
 
     Example:
         >>> worker_environments(2, devices_per_worker=2)[1]["TF_CONFIG"]
@@ -105,29 +93,38 @@ def worker_environments(
         raise LaunchError(
             f"devices_per_worker must be >= 1. Received: devices_per_worker={devices_per_worker}"
         )
-    gpus_per_worker = devices_per_worker or (num_gpus // num_workers)
-    if num_gpus and gpus_per_worker * num_workers > num_gpus:
-        raise LaunchError(
-            f"{num_workers} workers x {gpus_per_worker} GPUs need more than the {num_gpus} "
-            f"GPUs here. Received: devices_per_worker={devices_per_worker}"
-        )
-    addresses = [f"127.0.0.1:{port}" for port in free_loopback_ports(num_workers)]
+    places = list(places) if places is not None else loopback_places(num_workers, num_gpus)
+    addresses = [place.address for place in places]
     environments = []
-    for rank in range(num_workers):
+    for rank, place in enumerate(places):
         environment = dict(os.environ if base_environment is None else base_environment)
         environment["TF_CONFIG"] = json.dumps(
             {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": rank}}
         )
         # Progress bars and prefixed lines appear as they are printed, not at exit.
         environment["PYTHONUNBUFFERED"] = "1"
-        if num_gpus and gpus_per_worker:
-            first = rank * gpus_per_worker
-            gpu_ids = range(first, first + gpus_per_worker)
+        gpu_ids = _gpu_slice(place, devices_per_worker)
+        if gpu_ids:
             environment["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in gpu_ids)
         elif devices_per_worker is not None:
             environment[VIRTUAL_DEVICES_ENV] = str(devices_per_worker)
         environments.append(environment)
     return environments
+
+
+def _gpu_slice(place: WorkerPlace, devices_per_worker: int | None) -> range:
+    """The GPUs of its host a worker sees: its share, by its position on the host."""
+    if not place.host_gpus:
+        return range(0)
+    per_worker = devices_per_worker or place.host_gpus // place.workers_on_host
+    if per_worker * place.workers_on_host > place.host_gpus:
+        host = place.address.rpartition(":")[0]
+        raise LaunchError(
+            f"{place.workers_on_host} workers x {per_worker} GPUs need more than the "
+            f"{place.host_gpus} GPUs of {host}. Received: devices_per_worker={devices_per_worker}"
+        )
+    first = place.index_on_host * per_worker
+    return range(first, first + per_worker)
 
 
 def launch(
@@ -147,8 +144,9 @@ def launch(
     slots_from: str | None = None,
     mesh: str | None = None,
     cross_host_axis: str = "pipe",
+    remote_shell: str | None = None,
 ) -> int:
-    """Runs `command` as `num_workers` local workers and returns the exit status (0: success).
+    """Runs `command` as `num_workers` workers and returns the exit status (0: success).
 
     Args:
         command: the worker command, e.g. ["python", "scripts/train.py", "--strategy=multi_worker"].
@@ -179,10 +177,14 @@ def launch(
         rendezvous_timeout: with a slot list, how long to wait for MIN slots before
             giving up.
         slots_from: "slurm": the slots are the tasks of the SLURM job's allocation
-            (`slurm_nodes.allocation_slots`), read once; an allocation naming another
-            host than this one is refused, as the workers all start here.
+            (`slurm_nodes.allocation_slots`), read once; without `remote_shell` an
+            allocation naming another host than this one is refused.
         mesh, cross_host_axis: the worker command's hybrid `--mesh` and
             `--cross_host_axis`, whose data axis is what splits the global batch.
+        remote_shell: how to reach other hosts, e.g. "ssh -o BatchMode=yes"
+            (`remote_shell.RemoteShell`): each slot (`host` or `host:index`) then runs on
+            its host, this machine's directly and others' through the shell, in the same
+            working directory. None: every worker runs here, whatever the slots are called.
 
     Example:
         >>> launch(["python", "train.py", "--strategy=multi_worker"], num_workers=2)
@@ -205,8 +207,9 @@ def launch(
         )
         return 2
     try:
+        shell = RemoteShell.parse(remote_shell) if remote_shell else None
         list_slots = slot_source(hosts_file, discovery_command)
-        offered = _starting_slots(workers, list_slots, slots_from)
+        offered = _starting_slots(workers, list_slots, slots_from, other_hosts=shell is not None)
     except ValueError as error:
         messages.write(f"launch: {error}\n")
         return 2
@@ -224,7 +227,7 @@ def launch(
     if misfit:
         messages.write(f"launch: {'; '.join(misfit)}\n")
         return 2
-    network, exposed_because = _private_network(isolation)
+    network, exposed_because = _private_network(isolation, shell)
     if network is None and isolation == "namespace":
         messages.write(
             f"launch: refusing to start workers other machines could reach: {exposed_because}; "
@@ -263,7 +266,18 @@ def launch(
                 )
                 return failure.exit_status if failure else 1
             slots = membership.slots
-            environments = worker_environments(len(slots), devices_per_worker, num_gpus)
+            try:
+                places = (
+                    slot_places(slots, shell, remote_python(command), num_gpus)
+                    if shell
+                    else loopback_places(len(slots), num_gpus)
+                )
+                environments = worker_environments(
+                    len(slots), devices_per_worker, num_gpus, places=places
+                )
+            except (RemoteShellError, LaunchError) as error:
+                messages.write(f"launch: {error}\n")
+                return failure.exit_status if failure else 1
             for slot, environment in zip(slots, environments, strict=True):
                 environment["TMPDIR"] = scratch_root
                 # As torchrun's restart count: a restarted worker knows to resume its run.
@@ -272,7 +286,11 @@ def launch(
                 environment[MEMBERSHIP_VARIABLE] = json.dumps(dataclasses.asdict(change))
             if network is None:
                 messages.write(_exposure_warning(exposed_because, environments))
-            group = WorkerGroup(command, environments, stream, network)
+            workers_to_start = [
+                _worker_process(command, environment, place, shell, grace_seconds)
+                for environment, place in zip(environments, places, strict=True)
+            ]
+            group = WorkerGroup(workers_to_start, stream, network)
             watcher.change = None
             failure = group.wait(watcher)
             # A preempted worker's peers save at the same step and exit by themselves.
@@ -318,14 +336,42 @@ def launch(
             network.close()
 
 
+def _worker_process(
+    command: Sequence[str],
+    environment: dict[str, str],
+    place: WorkerPlace,
+    shell: RemoteShell | None,
+    grace_seconds: float,
+) -> WorkerProcess:
+    """How to start one worker: here, or on its host through the remote shell, carrying
+    the variables the launcher set (and `FORWARDED_VARIABLES`) on its command line."""
+    if place.remote_host is None or shell is None:
+        return WorkerProcess(tuple(command), environment)
+    variables = {
+        name: value
+        for name, value in environment.items()
+        if name != "TMPDIR" and (os.environ.get(name) != value or name in FORWARDED_VARIABLES)
+    }
+    line = remote_command_line(command, variables, os.getcwd(), grace_seconds)
+    return WorkerProcess(tuple(shell.argv(place.remote_host, line)), dict(os.environ), remote=True)
+
+
 def _starting_slots(
-    workers: WorkerRange, list_slots: Callable[[], list[str]] | None, slots_from: str | None
+    workers: WorkerRange,
+    list_slots: Callable[[], list[str]] | None,
+    slots_from: str | None,
+    other_hosts: bool = False,
 ) -> list[str]:
     """The slots a launch starts on: listed, the SLURM allocation's, or slot0 ... slotMAX-1.
 
     Raises:
         ValueError: two sources of slots, or an allocation this launcher cannot start.
     """
+    if slots_from is None and list_slots is None and other_hosts:
+        raise ValueError(
+            "--remote_shell starts each slot's worker on the slot's host: name the hosts "
+            "with --hosts_file, --discovery_command or --slots_from=slurm"
+        )
     if slots_from is None:
         return list_slots() if list_slots else [f"slot{i}" for i in range(workers.maximum)]
     if slots_from not in SLOT_ORIGINS:
@@ -338,11 +384,12 @@ def _starting_slots(
         )
     slots = allocation_slots()
     elsewhere = [host for host in dict.fromkeys(map(host_of, slots)) if not is_this_machine(host)]
-    if elsewhere:
+    if elsewhere and not other_hosts:
         raise ValueError(
             f"the SLURM allocation names hosts other than this one ({', '.join(elsewhere)}), "
-            "and the launcher starts every worker here: ask for one node (sbatch -N1 "
-            "--ntasks-per-node=N), or run train.py in every task with srun for a multi-node job"
+            "and without --remote_shell the launcher starts every worker here: pass "
+            "--remote_shell='srun --nodes=1 --ntasks=1 --overlap -w {host} sh -c', or ask "
+            "for one node (sbatch -N1 --ntasks-per-node=N)"
         )
     if len(slots) < workers.minimum:
         raise ValueError(
@@ -353,8 +400,12 @@ def _starting_slots(
     return slots
 
 
-def _private_network(isolation: str) -> tuple[PrivateNetwork | None, str]:
+def _private_network(
+    isolation: str, shell: RemoteShell | None
+) -> tuple[PrivateNetwork | None, str]:
     """The launch's private network, or None and why the workers will be exposed."""
+    if shell is not None:
+        return None, "workers on other hosts (--remote_shell) cannot share a private network"
     if isolation == "none":
         return None, f"isolation is none (--isolation or {ISOLATION_VARIABLE})"
     try:

@@ -19,6 +19,7 @@ from typing import TextIO
 from tfmulti.names import PREEMPTED_EXIT_CODE
 from tfmulti.platform.membership import SlotListWatcher
 from tfmulti.platform.network_isolation import PrivateNetwork
+from tfmulti.platform.worker_guard import TERMINATE_LINE
 
 _POLL_SECONDS = 0.05
 _PR_SET_PDEATHSIG = 1
@@ -115,27 +116,42 @@ class _OutputRelay:
             self._open_line_owner = None if ends_line else rank
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkerProcess:
+    """How to start one worker: its command and environment, run here or on another host.
+
+    A remote worker's command is a remote shell running `worker_guard`; its standard input
+    carries the launcher's requests (`worker_guard.TERMINATE_LINE`, then end of input),
+    since signals to the local remote-shell process do not reach the host.
+    """
+
+    command: tuple[str, ...]
+    environment: dict[str, str]
+    remote: bool = False
+
+
 class WorkerGroup:
     """One attempt: the worker processes of a group, started together and stopped together."""
 
     def __init__(
         self,
-        command: Sequence[str],
-        environments: list[dict[str, str]],
+        workers: Sequence[WorkerProcess],
         stream: TextIO,
         network: PrivateNetwork | None = None,
     ):
         self._relay = _OutputRelay(stream)
+        self._workers = list(workers)
         self.processes: list[subprocess.Popen] = []
         self._threads: list[threading.Thread] = []
-        for rank, environment in enumerate(environments):
+        for rank, worker in enumerate(self._workers):
             process = subprocess.Popen(
-                list(command),
-                env=environment,
+                list(worker.command),
+                env=worker.environment,
+                stdin=subprocess.PIPE if worker.remote else None,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_worker_setup(network),
+                preexec_fn=_worker_setup(None if worker.remote else network),
             )
             self.processes.append(process)
             thread = threading.Thread(
@@ -172,20 +188,57 @@ class WorkerGroup:
         preempted peers do once they have saved at the step they agreed on.
         """
         if terminate:
-            self._signal_groups(signal.SIGTERM)
+            self._terminate()
         deadline = time.monotonic() + grace_seconds
         while time.monotonic() < deadline and any(p.poll() is None for p in self.processes):
             time.sleep(_POLL_SECONDS)
+        # A remote guard kills its worker at once on end of input after a TERM.
+        self._terminate(remote_only=True)
+        for worker, process in zip(self._workers, self.processes, strict=True):
+            if worker.remote:
+                _close_quietly(process.stdin)
         self._signal_groups(signal.SIGKILL)
         for process in self.processes:
             process.wait()
         for thread in self._threads:
             thread.join(timeout=5)
 
+    def _terminate(self, remote_only: bool = False) -> None:
+        """SIGTERM to local workers; a TERM line to remote ones."""
+        for worker, process in zip(self._workers, self.processes, strict=True):
+            if worker.remote:
+                _write_quietly(process, TERMINATE_LINE)
+            elif not remote_only:
+                _signal_group(process, signal.SIGTERM)
+
     def _signal_groups(self, signum: int) -> None:
-        # Each worker leads its own group; killing the group also reaches its children.
         for process in self.processes:
-            try:
-                os.killpg(process.pid, signum)
-            except (ProcessLookupError, PermissionError):
-                pass
+            _signal_group(process, signum)
+
+
+def _signal_group(process: subprocess.Popen, signum: int) -> None:
+    # Each worker leads its own group; killing the group also reaches its children.
+    try:
+        os.killpg(process.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _write_quietly(process: subprocess.Popen, line: str) -> None:
+    """Sends `line` to a remote worker's guard, unless it has already gone."""
+    if process.poll() is not None or process.stdin is None or process.stdin.closed:
+        return
+    try:
+        process.stdin.write(f"{line}\n".encode())
+        process.stdin.flush()
+    except (BrokenPipeError, OSError):
+        pass
+
+
+def _close_quietly(pipe) -> None:
+    if pipe is None or pipe.closed:
+        return
+    try:
+        pipe.close()
+    except (BrokenPipeError, OSError):
+        pass
