@@ -15,9 +15,16 @@ import sys
 import time
 
 import pytest
-from script_runner import read_metrics, worker_program
+from script_runner import (
+    TWO_EPOCHS,
+    assert_same_run,
+    read_metrics,
+    start_launched_training,
+    worker_program,
+)
 from test_elastic_launcher import group_sizes, launch_command, wait_for_attempt, write_slots
 from test_elastic_training import assert_ends_like, launch_elastic, one_device_reference, wait_for
+from test_pipeline_across_workers import PIPELINE, one_device_two_epochs_dir
 
 from tfmulti.names import PREEMPTED_EXIT_CODE
 from tfmulti.platform import worker_guard
@@ -284,3 +291,54 @@ def test_training_over_remote_hosts_shrinks_on_the_list_and_ends_like_one_device
     assert (grown["workers"], shrunk["workers"], shrunk["left"]) == (3, 2, ["127.0.0.4"])
     assert shrunk["global_step"] >= 10
     assert_ends_like(model_dir, one_device_reference(shared_dir))
+
+
+def test_a_pipeline_from_here_to_a_remote_host_checks_its_worker_and_trains_like_one_device(
+    tmp_path, shared_dir
+):
+    """Stages 0-1 on this machine's worker (the chief), 2-3 on the remote host's: the chief
+    finds the remote worker's posted settings in the launcher's scratch directory, which the
+    guard made there, and checks them."""
+    model_dir, hosts = str(tmp_path / "run"), tmp_path / "hosts"
+    write_slots(hosts, ["localhost", "127.0.0.2"])
+    launcher = start_launched_training(
+        (
+            "--num_workers=2",
+            "--devices_per_worker=2",
+            f"--hosts_file={hosts}",
+            f"--remote_shell={STAND_IN}",
+        ),
+        (*TWO_EPOCHS, *PIPELINE, "--schedule=1f1b", f"--model_dir={model_dir}"),
+    )
+    output, _ = launcher.communicate(timeout=300)
+    assert launcher.returncode == 0, output[-3000:]
+    assert "posted no settings" not in output
+    devices = [stage["device"] for stage in read_metrics(model_dir)["run"]["split"]["stages"]]
+    assert [device.split("/")[3] for device in devices] == ["task:0", "task:0", "task:1", "task:1"]
+    assert_same_run(model_dir, one_device_two_epochs_dir(shared_dir))
+
+
+def test_the_guard_makes_the_launchers_scratch_directory_on_a_host_without_it(tmp_path):
+    scratch = tmp_path / "tfmulti-launch-x"
+    program = (
+        "import os, tempfile; print(tempfile.gettempdir(), os.path.isdir(os.environ['TMPDIR']))"
+    )
+    guard = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tfmulti.platform.worker_guard",
+            "--",
+            sys.executable,
+            "-c",
+            program,
+        ],
+        env={**os.environ, "TMPDIR": str(scratch)},
+        stdin=subprocess.PIPE,  # held open while the worker runs, as the launcher does
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert guard.stdout.read() == f"{scratch} True\n"
+    assert guard.wait(timeout=60) == 0
+    guard.stdin.close()
+    assert not scratch.exists()  # removed at exit, as the guard made it

@@ -347,10 +347,12 @@ def _worker_process(
     the variables the launcher set (and `FORWARDED_VARIABLES`) on its command line."""
     if place.remote_host is None or shell is None:
         return WorkerProcess(tuple(command), environment)
+    # TMPDIR among them: the guard makes the scratch directory there, so a serving worker
+    # posts its settings where the chief looks (`cluster_agreement`).
     variables = {
         name: value
         for name, value in environment.items()
-        if name != "TMPDIR" and (os.environ.get(name) != value or name in FORWARDED_VARIABLES)
+        if os.environ.get(name) != value or name in FORWARDED_VARIABLES
     }
     line = remote_command_line(command, variables, os.getcwd(), grace_seconds)
     return WorkerProcess(tuple(shell.argv(place.remote_host, line)), dict(os.environ), remote=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -74,7 +75,23 @@ def exit_status(returncode: int) -> int:
 
 
 def run(command: Sequence[str], grace_seconds: float, messages=None) -> int:
-    """Runs `command` in its own process group under the guard; returns its exit status."""
+    """Runs `command` in its own process group under the guard; returns its exit status.
+
+    The launcher's scratch directory (`TMPDIR`, where a serving worker posts its settings
+    for the chief to check) is made here if this host lacks it, and then removed at exit.
+    """
+    scratch = os.environ.get("TMPDIR")
+    made_scratch = bool(scratch) and not os.path.isdir(scratch)
+    if made_scratch:
+        os.makedirs(scratch)
+    try:
+        return _run_guarded(command, grace_seconds, messages)
+    finally:
+        if made_scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_guarded(command: Sequence[str], grace_seconds: float, messages) -> int:
     process = subprocess.Popen(list(command), stdin=subprocess.DEVNULL, start_new_session=True)
     guard = _Guard(process, grace_seconds)
     for signum in (signal.SIGTERM, signal.SIGHUP):
