@@ -199,14 +199,47 @@ def test_this_machine_is_known_by_its_host_name_its_slurm_name_and_localhost():
     assert not is_this_machine("surely-not-this-host-42", environ)
 
 
-def _launch_in_allocation(monkeypatch, num_workers, **slurm):
+def _launch_in_allocation(monkeypatch, num_workers, command=("true",), **options):
+    slurm = {name: value for name, value in options.items() if name.startswith("SLURM")}
     for name in [name for name in os.environ if name.startswith("SLURM")]:
         monkeypatch.delenv(name)
     for name, value in slurm.items():
         monkeypatch.setenv(name, value)
     messages = io.StringIO()
-    status = launcher.launch(["true"], num_workers, slots_from="slurm", messages=messages)
+    status = launcher.launch(
+        list(command),
+        num_workers,
+        slots_from="slurm",
+        messages=messages,
+        stream=io.StringIO(),
+        **{name: value for name, value in options.items() if name not in slurm},
+    )
     return status, messages.getvalue()
+
+
+def test_with_a_remote_shell_each_task_of_a_multi_node_allocation_runs_on_its_node(
+    monkeypatch, tmp_path
+):
+    """node07 is this machine; node08's two tasks start through the (stand-in) remote
+    shell, which runs them here and logs the host it was asked for."""
+    run_dir, hosts_log = tmp_path / "run", tmp_path / "hosts_log"
+    run_dir.mkdir()
+    monkeypatch.setenv("STAND_IN_HOSTS_LOG", str(hosts_log))
+    worker = [sys.executable, worker_program("elastic_worker"), "--run_dir", str(run_dir)]
+    status, messages = _launch_in_allocation(
+        monkeypatch,
+        3,
+        command=worker,
+        remote_shell=f"{sys.executable} {worker_program('stand_in_remote_shell')}",
+        isolation="none",
+        SLURM_JOB_NODELIST="node[07-08]",
+        SLURM_TASKS_PER_NODE="1,2",
+        SLURMD_NODENAME="node07",
+    )
+    assert status == 0, messages
+    assert sorted(os.listdir(run_dir)) == ["0-node07", "0-node08:0", "0-node08:1"]
+    # Once to find ports, then once for each of node08's workers.
+    assert hosts_log.read_text().splitlines() == ["node08", "node08", "node08"]
 
 
 @pytest.mark.parametrize(
@@ -216,8 +249,9 @@ def _launch_in_allocation(monkeypatch, num_workers, **slurm):
             2,
             {"SLURM_JOB_NODELIST": "node[07-09]", "SLURMD_NODENAME": "node07"},
             "launch: the SLURM allocation names hosts other than this one (node08, node09), and "
-            "the launcher starts every worker here: ask for one node (sbatch -N1 "
-            "--ntasks-per-node=N), or run train.py in every task with srun for a multi-node job",
+            "without --remote_shell the launcher starts every worker here: pass "
+            "--remote_shell='srun --nodes=1 --ntasks=1 --overlap -w {host} sh -c', or ask for "
+            "one node (sbatch -N1 --ntasks-per-node=N)",
         ),
         (
             "2:3",
