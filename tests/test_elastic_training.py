@@ -1,6 +1,9 @@
 """Elastic training, end to end: a job that loses a worker slot for good goes on with
 fewer workers from its last step checkpoint and ends where the uninterrupted run ends.
 
+Each elastic run is compared with the uninterrupted 3-worker run (and the shrink with
+the 2-worker run too) and with one device.
+
 Tolerance: the global batches are the same rows in the same order at any worker count
 (every worker builds the whole global-batch stream from the seed and keeps its share of
 each batch), so the runs differ only in how the gradient mean is summed: one device sums
@@ -117,8 +120,20 @@ def one_device_run(shared_dir) -> str:
     return one_device_reference(shared_dir)
 
 
+def uninterrupted_reference(shared_dir, workers: int) -> str:
+    """The run on `workers` launched workers of one device that never changes size (run
+    once per session): the issue's own reference for an elastic run."""
+
+    def fill(model_dir: str) -> None:
+        launcher = launch_elastic(model_dir, f"--num_workers={workers}")
+        output, _ = launcher.communicate(timeout=300)
+        assert launcher.returncode == 0, output[-3000:]
+
+    return shared_dir(f"elastic-{workers}_workers", fill)
+
+
 def test_a_slot_killed_until_dropped_leaves_2_workers_that_end_like_the_uninterrupted_run(
-    tmp_path, one_device_run
+    tmp_path, one_device_run, shared_dir
 ):
     model_dir = str(tmp_path / "run")
     launcher = launch_elastic(
@@ -157,6 +172,8 @@ def test_a_slot_killed_until_dropped_leaves_2_workers_that_end_like_the_uninterr
     counts = tensorboard_worker_counts(model_dir)
     assert counts[0] == (0, 3) and counts[-1] == (shrunk["global_step"], 2), counts
     assert_ends_like(model_dir, one_device_run)
+    assert_ends_like(model_dir, uninterrupted_reference(shared_dir, 3))
+    assert_ends_like(model_dir, uninterrupted_reference(shared_dir, 2))
 
 
 def test_below_min_the_job_stops_in_one_line_keeping_its_checkpoints_and_resume_continues(
@@ -204,7 +221,7 @@ def started_sizes(model_dir) -> list[int]:
 
 
 def test_a_slot_leaving_then_rejoining_the_list_goes_3_2_3_and_ends_like_the_uninterrupted_run(
-    tmp_path, one_device_run
+    tmp_path, one_device_run, shared_dir
 ):
     model_dir, hosts = str(tmp_path / "run"), tmp_path / "slots"
     hosts.write_text("a\nb\nc\n")
@@ -230,6 +247,7 @@ def test_a_slot_leaving_then_rejoining_the_list_goes_3_2_3_and_ends_like_the_uni
     assert [entry["workers"] for entry in metrics["membership"]] == [3, 2, 3]
     assert metrics["membership"][2]["joined"] == ["c"]
     assert_ends_like(model_dir, one_device_run)
+    assert_ends_like(model_dir, uninterrupted_reference(shared_dir, 3))
 
 
 def test_a_hybrid_mesh_that_loses_a_worker_goes_on_along_its_data_axis(tmp_path, one_device_run):

@@ -18,6 +18,7 @@ import keras
 import tensorflow as tf
 
 from tfmulti.compat.remapped_functions import DeviceMap, UnmovableFunction, remapped_call
+from tfmulti.compat.tf_internals import _private
 from tfmulti.pipeline.runtime.executor import StepResult
 from tfmulti.pipeline.runtime.loss_shares import BatchTotals
 from tfmulti.pipeline.runtime.pipeline_model import PipelineModel
@@ -68,6 +69,7 @@ class SharedSchedule:
             rows=rows,
         )
         self._variables_of_trace[tf.compat.v1.get_default_graph()] = result.variables
+        _place_returns_beside_their_inputs()
         return result.outputs, result.losses, result.gradients
 
     def run(self, index: int, x, y, sample_weight, totals: BatchTotals, rows) -> StepResult:
@@ -146,6 +148,27 @@ class _MovedCopies:
     def variable(self, index: int, first_variable: tf.Variable) -> tf.Variable:
         """Replica `index`'s trainable variable in `first_variable`'s place."""
         return self._bindings[index].variables[id(first_variable)]
+
+
+def _place_returns_beside_their_inputs() -> None:
+    """Puts the Identity op TensorFlow adds to each output of the function being traced, once
+    the Python function returns, on the device of that output's producer.
+
+    Unplaced, those Identities, and the function's outputs with them, land on the step's
+    default device: the chief's first device. Each gradient of a stage on another worker
+    then crossed hosts to the chief and back to be summed over the replicas (issue 33:
+    4 x the last stage's weights per step with data=2, pipe=2 over two workers). Call it
+    last in the traced function: the device function stays on that finished graph.
+    """
+    graph = tf.compat.v1.get_default_graph()
+    _private(graph, "_add_device_to_stack", "Graph._add_device_to_stack")(_beside_input)
+
+
+def _beside_input(op: tf.Operation) -> str:
+    """The device of an Identity op without one: its input's; any other op keeps its own."""
+    if op.device or op.type != "Identity" or not op.inputs:
+        return op.device
+    return op.inputs[0].device
 
 
 def _bind(first: PipelineModel, replica: PipelineModel) -> _ReplicaBinding | None:
