@@ -35,6 +35,7 @@ from tfmulti.platform.remote_shell import (
     remote_command_line,
     remote_python,
 )
+from tfmulti.platform.worker_group import WorkerExit
 from tfmulti.platform.worker_places import WorkerPlace, slot_places
 
 STAND_IN = f"{sys.executable} {worker_program('stand_in_remote_shell')}"
@@ -342,3 +343,13 @@ def test_the_guard_makes_the_launchers_scratch_directory_on_a_host_without_it(tm
     assert guard.wait(timeout=60) == 0
     guard.stdin.close()
     assert not scratch.exists()  # removed at exit, as the guard made it
+
+
+def test_a_worker_killed_on_its_host_is_reported_by_its_signal():
+    guard = start_guard("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    returncode = guard.wait(timeout=60)
+    guard.stdin.close()
+    assert returncode == 128 + signal.SIGKILL
+    assert WorkerExit(1, returncode).describe() == (
+        "worker 1 exited with code 137 (killed by SIGKILL)"
+    )

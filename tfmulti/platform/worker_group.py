@@ -44,6 +44,11 @@ class WorkerExit:
             )
         if self.returncode < 0:
             return f"worker {self.rank} was killed by {signal.Signals(-self.returncode).name}"
+        shell_signal = self.returncode - 128
+        if shell_signal in signal.valid_signals():
+            # A remote shell reports a worker killed on its host as 128 + the signal.
+            name = signal.Signals(shell_signal).name
+            return f"worker {self.rank} exited with code {self.returncode} (killed by {name})"
         return f"worker {self.rank} exited with code {self.returncode}"
 
     @property
