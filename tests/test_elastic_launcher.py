@@ -48,6 +48,12 @@ def wait_for_attempt(run_dir, attempt, workers, launcher):
     raise AssertionError(f"attempt {attempt} did not start {workers} workers")
 
 
+def stop_stand_ins(launcher, stop_file) -> tuple[str, str]:
+    """Lets the stand-in workers finish (`--stop_file`) and returns the launcher's output."""
+    stop_file.touch()
+    return launcher.communicate(timeout=60)
+
+
 def write_slots(path, slots):
     # Atomically, as the guide asks: a reader never sees half a list.
     partial = f"{path}.partial"
@@ -272,8 +278,7 @@ def test_a_slot_leaving_and_rejoining_the_list_shrinks_then_grows_the_group(tmp_
         wait_for_attempt(run_dir, 1, 2, launcher)
         write_slots(hosts, ["a", "b", "c"])
         wait_for_attempt(run_dir, 2, 3, launcher)
-        stop_file.touch()
-        stdout, stderr = launcher.communicate(timeout=60)
+        stdout, stderr = stop_stand_ins(launcher, stop_file)
     finally:
         launcher.kill()
         launcher.wait()

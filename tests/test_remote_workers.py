@@ -22,7 +22,13 @@ from script_runner import (
     start_launched_training,
     worker_program,
 )
-from test_elastic_launcher import group_sizes, launch_command, wait_for_attempt, write_slots
+from test_elastic_launcher import (
+    group_sizes,
+    launch_command,
+    stop_stand_ins,
+    wait_for_attempt,
+    write_slots,
+)
 from test_elastic_training import assert_ends_like, launch_elastic, one_device_reference, wait_for
 from test_pipeline_across_workers import PIPELINE, one_device_two_epochs_dir
 
@@ -219,8 +225,7 @@ def test_a_remote_slot_failing_too_often_is_dropped_and_a_local_slot_runs_here(t
     )
     try:
         wait_for_attempt(run_dir, 1, 2, launcher)
-        stop_file.touch()
-        stdout, stderr = launcher.communicate(timeout=60)
+        stdout, stderr = stop_stand_ins(launcher, stop_file)
     finally:
         launcher.kill()
         launcher.wait()
