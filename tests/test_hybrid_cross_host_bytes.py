@@ -28,7 +28,7 @@ def _host(device: str) -> int:
     return HOST_OF_DEVICE[int(re.search(r"CPU:(\d+)", device)[1])]
 
 
-def _partition_graphs(model: HybridPipelineModel, batch) -> list:
+def _partition_graphs(model: keras.Model, batch) -> list:
     """The partitioned graphs of `model`'s training step, as TensorFlow ran them."""
     step = tf.function(model.train_step, autograph=False)
     concrete = step.get_concrete_function(batch)
@@ -67,6 +67,35 @@ def _bounced_tensors(graphs: list) -> list[str]:
     return bounced
 
 
+def _crossings(graph) -> list:
+    return [
+        node
+        for node in graph.node
+        if node.op == "_Send"
+        and _host(node.attr["send_device"].s.decode()) != _host(node.attr["recv_device"].s.decode())
+    ]
+
+
+def _origin(tensor: str, nodes: dict) -> str:
+    """`tensor` followed back through Identity ops of its partition graph (`nodes`)."""
+    node = nodes.get(tensor.split(":")[0])
+    while node is not None and node.op == "Identity" and node.input:
+        tensor = node.input[0]
+        node = nodes.get(tensor.split(":")[0])
+    return tensor
+
+
+def _resent_tensors(graphs: list) -> list[str]:
+    """Tensors sent to the other host more than once: two cross-host sends whose inputs,
+    followed back through Identity ops on the sending device, are the same tensor."""
+    resent = []
+    for graph in graphs:
+        nodes = {node.name: node for node in graph.node}
+        sources = [_origin(send.input[0], nodes) for send in _crossings(graph)]
+        resent += sorted({source for source in sources if sources.count(source) > 1})
+    return resent
+
+
 def test_no_gradient_crosses_hosts_and_comes_back():
     devices = logical_device_names("CPU")
     # Replica r: stage 0 on device r (first host), stage 1 on device 2 + r (second host);
@@ -89,3 +118,17 @@ def test_no_gradient_crosses_hosts_and_comes_back():
     # scripts/benchmark_across_hosts.py), so only the schedule's own transfers count here.
     bounced = _bounced_tensors(graphs)
     assert [name for name in bounced if not name.startswith(f"{model.optimizer.name}/")] == []
+
+
+def test_each_activation_crosses_to_the_next_host_once():
+    """A stage's backward reads its stage input from the copy its forward received: passed
+    as it came, the backward's inlined input Identity sat on the sending device and the
+    activation crossed hosts a second time (issue 33: 1.5x the analytic bytes)."""
+    devices = logical_device_names("CPU")
+    model = PipelineModel(residual_stages(2), [devices[0], devices[2]], 4, rolled=False)
+    model.compile(optimizer=keras.optimizers.SGD(), loss="mse")
+    batch = tuple(tf.constant(part) for part in regression_batches(1, 16)[0])
+    model(batch[0])
+    graphs = _partition_graphs(model, batch)
+    assert sum(len(_crossings(graph)) for graph in graphs) >= 8  # 4 activations, 4 gradients
+    assert _resent_tensors(graphs) == []

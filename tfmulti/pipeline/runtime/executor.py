@@ -307,7 +307,10 @@ class _StepBuilder:
     def _forward(self, action: Action) -> list:
         stage, microbatch = action.stage, action.microbatch
         stage_inputs = self._stage_inputs(stage, microbatch)
-        flat_inputs = [tf.convert_to_tensor(t) for t in tf.nest.flatten(stage_inputs)]
+        # One copy on this stage's device (the caller's device scope), read by the forward
+        # now and by the backward later: each arrives once. Passed as it came, the backward's
+        # inlined input Identity sat on the sending device and the tensor crossed again.
+        flat_inputs = [tf.identity(t) for t in tf.nest.flatten(stage_inputs)]
         traced = self.executor.stage_functions[stage].for_inputs(flat_inputs, stage_inputs)
         results = self._in_order(traced.forward, flat_inputs)
         outputs = tf.nest.pack_sequence_as(traced.output_structure, results[: traced.num_outputs])
