@@ -14,7 +14,14 @@ import subprocess
 import sys
 
 import pytest
-from script_runner import REPO_ROOT, one_line_error, read_metrics, run_script, script_environment
+from script_runner import (
+    REPO_ROOT,
+    one_line_error,
+    read_metrics,
+    run_script,
+    script_environment,
+    worker_program,
+)
 
 from tfmulti.planner import (
     AffineTime,
@@ -243,6 +250,7 @@ def test_validation_launches_a_layout_over_hosts_and_times_the_chiefs_steps():
         (["--devices=4", "--devices_per_host=2"], "contradicts"),
         (["--inter_host_gbps=0", "--hosts=2", "--devices_per_host=2"], "inter_host_gbps"),
         (["--hosts=0", "--devices_per_host=2"], "hosts"),
+        (["--launch_option=--hosts_file=h.txt"], "--launch_option"),
     ],
 )
 def test_contradictory_host_flags_are_refused_in_one_line(flags, named):
@@ -254,10 +262,18 @@ def _flag(command: list[str], name: str) -> str:
     return next(word.split("=", 1)[1] for word in command if word.startswith(f"--{name}="))
 
 
+# The table's commands start their workers on two stand-in remote hosts
+# (tests/test_remote_workers.py); the JSON's on this machine.
+STAND_IN_SHELL = f"{sys.executable} {worker_program('stand_in_remote_shell')}"
+
+
 @pytest.fixture(scope="module")
 def two_host_plan(tmp_path_factory) -> dict:
-    """plan.py's JSON for the tiny Transformer on 2 hosts x 2 devices, and its table."""
+    """plan.py's JSON for the tiny Transformer on 2 hosts x 2 devices, and its table, whose
+    commands start the workers on hosts 127.0.0.2 and 127.0.0.3 (`--launch_option`)."""
     directory = tmp_path_factory.mktemp("two_host_plan")
+    hosts = directory / "hosts.txt"
+    hosts.write_text("127.0.0.2\n127.0.0.3\n")
     path = str(directory / "costs.json")
     save_costs(GRADIENT_HEAVY, path)
     common = (
@@ -269,7 +285,12 @@ def two_host_plan(tmp_path_factory) -> dict:
         "--machine_costs=none",
         "--top=100",
     )
-    table = run_script("plan.py", *common)
+    table = run_script(
+        "plan.py",
+        *common,
+        f"--launch_option=--hosts_file={hosts}",
+        f"--launch_option=--remote_shell={STAND_IN_SHELL}",
+    )
     assert table.returncode == 0, table.stderr[-3000:]
     as_json = run_script("plan.py", *common, "--json")
     assert as_json.returncode == 0, as_json.stderr[-3000:]
@@ -299,12 +320,12 @@ def test_the_printed_launch_command_of_a_two_host_plan_trains(two_host_plan, tmp
     # The one that traces fewest actions: fewest micro-batches, no chunks.
     words = min(printed, key=lambda command: (_flag(command, "microbatches"), len(command)))
     argv = [sys.executable if word == "python" else word for word in words]
-    model_dir = str(tmp_path / "run")
+    model_dir, hosts_log = str(tmp_path / "run"), tmp_path / "hosts_log"
     run_flags = ["--epochs=1", "--steps_per_epoch=2", "--validation_steps=1", "--log_steps=0"]
     result = subprocess.run(
         [*argv, *run_flags, f"--model_dir={model_dir}"],
         cwd=REPO_ROOT,
-        env=script_environment(),
+        env={**script_environment(), "STAND_IN_HOSTS_LOG": str(hosts_log)},
         capture_output=True,
         text=True,
         timeout=240,
@@ -315,3 +336,5 @@ def test_the_printed_launch_command_of_a_two_host_plan_trains(two_host_plan, tmp
     stage_devices = [stage["device"] for stage in metrics["run"]["split"]["stages"]]
     assert any("task:0" in device for device in stage_devices)
     assert any("task:1" in device for device in stage_devices)
+    # Its workers ran on the two stand-in hosts (each asked for ports, then its worker).
+    assert sorted(hosts_log.read_text().split()) == ["127.0.0.2"] * 2 + ["127.0.0.3"] * 2

@@ -24,6 +24,7 @@ Over --hosts hosts, one mesh axis (data or pipe) crosses them and each layout is
 for each axis that can; what crosses pays --inter_host_gbps and --inter_host_latency_us.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -170,6 +171,19 @@ flags.DEFINE_integer(
     "validate_epochs", 3, "Epochs per --validate run; all after the first are timed.", 2
 )
 flags.DEFINE_string("validate_dir", None, "Where --validate runs write (default: a temp dir).")
+flags.DEFINE_multi_string(
+    "launch_option",
+    [],
+    "With --hosts above 1: a scripts/launch.py flag added to every printed command and "
+    "--validate run, to start the workers on real hosts, e.g. "
+    "--launch_option=--hosts_file=hosts.txt --launch_option=--remote_shell='ssh -o BatchMode=yes'.",
+)
+flags.register_multi_flags_validator(
+    ["launch_option", "hosts"],
+    lambda values: not values["launch_option"] or values["hosts"] > 1,
+    "--launch_option starts the workers of a layout over several hosts; give --hosts and "
+    "--devices_per_host too, or drop it",
+)
 
 
 def _device_counts_agree(values: dict) -> bool:
@@ -319,6 +333,11 @@ def _plan(argv: list[str]) -> None:
         max_chunks=FLAGS.max_chunks,
         hosts=FLAGS.hosts,
     )
+    launch_options = tuple(FLAGS.launch_option)
+    layouts = [
+        dataclasses.replace(layout, launch_options=launch_options) if layout.hosts > 1 else layout
+        for layout in layouts
+    ]
     if not layouts:
         raise ValueError(
             f"No layout of {_devices_description()} fits memory_per_device="

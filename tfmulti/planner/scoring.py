@@ -61,6 +61,8 @@ class Layout:
         uncertainty: the ± seconds the prediction carries from its measurements' spread.
         hosts: hosts the mesh is laid over (each a launched worker).
         cross_host_axis: the mesh axis across the hosts, "data" or "pipe"; None on one host.
+        launch_options: `scripts/launch.py` flags that put the workers on real hosts
+            (`--hosts_file`, `--remote_shell`), given to `plan.py --launch_option`.
     """
 
     mesh: HybridMesh
@@ -77,6 +79,7 @@ class Layout:
     uncertainty: float = 0.0
     hosts: int = 1
     cross_host_axis: str | None = None
+    launch_options: tuple[str, ...] = ()
 
     @property
     def key(self) -> tuple:

@@ -91,8 +91,8 @@ def _cross_host_strategy_flags(layout: Layout, kinds: int) -> list[str]:
 
 
 def launch_flags(layout: Layout) -> list[str]:
-    """The `scripts/launch.py` flags that start `layout`'s workers, one per host; none on
-    one host.
+    """The `scripts/launch.py` flags that start `layout`'s workers, one per host, and its
+    `launch_options`; none on one host.
 
     Example:
         >>> launch_flags(layout)  # data=2,pipe=2 over 2 hosts
@@ -103,6 +103,7 @@ def launch_flags(layout: Layout) -> list[str]:
     return [
         f"--num_workers={layout.hosts}",
         f"--devices_per_worker={layout.mesh.num_devices // layout.hosts}",
+        *layout.launch_options,
     ]
 
 
