@@ -116,6 +116,8 @@ def test_a_grow_that_does_not_split_the_global_batch_is_refused_once_and_the_siz
         (DataReplicas(3, "data=auto,pipe=2"), [0, 3, 0, 6]),
         (DataReplicas(1, "data=auto,pipe=2", "pipe"), [0, 1, 0, 2]),
         (DataReplicas(2, "data=2,pipe=2", "pipe"), [0, 2, 0, 0]),
+        # A pipeline (or model-parallel model) over every worker's devices: one replica.
+        (DataReplicas(2, one_replica=True), [1, 1, 1, 1]),
         # Unknown devices, or a mesh the training refuses by itself: not judged.
         (DataReplicas(None, "data=auto,pipe=2", "data"), [None] * 4),
         (DataReplicas(2, "data=2,pipes=2", "data"), [None] * 4),

@@ -232,3 +232,67 @@ def test_a_run_resumed_across_workers_ends_like_the_uninterrupted_one(tmp_path, 
         assert returncode == 0, output[-3000:]
     assert "Resuming at epoch 2, step 0" in output
     assert_same_run(model_dir, one_device_dir)
+
+
+# What works on one host works across hosts: each case is one run over launched workers,
+# compared with the one-device run of the same flags.
+ACROSS_HOSTS_CASES = {
+    # 4 workers of one device each: every stage on its own worker; GPipe, recomputing
+    # each stage's forward in its backward.
+    "gpipe-remat-4x1": ((4, 1), ("--schedule=gpipe", "--remat")),
+    # Two chunks of each worker's one device, interleaved.
+    "interleaved-2x1": (
+        (2, 1),
+        ("--schedule=interleaved_1f1b", "--num_stages=2", "--chunks=2"),
+    ),
+    "zb_h2-2x2": ((2, 2), ("--schedule=zb_h2",)),
+}
+
+
+@pytest.mark.parametrize("case", ACROSS_HOSTS_CASES)
+def test_schedules_and_recomputation_across_workers_train_like_one_device(
+    tmp_path, one_device_dir, case
+):
+    (num_workers, devices_per_worker), flags = ACROSS_HOSTS_CASES[case]
+    model_dir = str(tmp_path / "run")
+    returncode, output = launch_training(
+        *FLAGS,
+        *PIPELINE,
+        *flags,
+        f"--model_dir={model_dir}",
+        num_workers=num_workers,
+        devices_per_worker=devices_per_worker,
+        timeout=300,
+    )
+    assert returncode == 0, output[-3000:]
+    tasks = {
+        stage["device"].split("/")[3] for stage in read_metrics(model_dir)["run"]["split"]["stages"]
+    }
+    assert tasks == {f"task:{task}" for task in range(num_workers)}
+    assert_same_run(model_dir, one_device_dir)
+
+
+# 30 rows over 4 micro-batches: 8, 8, 7, 7.
+UNEVEN_MIXED = ("--batch_size=30", "--dtype=mixed_bfloat16")
+
+
+def test_an_uneven_batch_under_mixed_precision_across_workers_trains_like_one_device(
+    tmp_path, shared_dir
+):
+    """bfloat16 compute rounds each micro-batch's activations, so the pipeline's sums of
+    micro-batches part from one device's whole batch by bfloat16's precision, not float32's:
+    losses within rel 2e-2 (the bound the runtime's mixed-precision tests use)."""
+    reference_dir = one_device_reference(
+        shared_dir, "across_workers-uneven_mixed", *FLAGS, *UNEVEN_MIXED
+    )
+    model_dir = str(tmp_path / "run")
+    returncode, output = launch_on_two_workers(
+        *UNEVEN_MIXED, *PIPELINE, "--schedule=1f1b", f"--model_dir={model_dir}"
+    )
+    assert returncode == 0, output[-3000:]
+    metrics, reference = read_metrics(model_dir), read_metrics(reference_dir)
+    assert metrics["status"] == "completed"
+    losses = [epoch["loss"] for epoch in metrics["epochs"]]
+    expected = [epoch["loss"] for epoch in reference["epochs"]]
+    assert losses == pytest.approx(expected, rel=2e-2)
+    assert losses[1] < losses[0]  # it learns

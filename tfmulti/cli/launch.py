@@ -18,7 +18,7 @@ from absl import app, flags
 
 from tfmulti.config import DistributionConfig
 from tfmulti.flags.parsing import parse_flags_or_exit
-from tfmulti.names import HYBRID_STRATEGY_NAME
+from tfmulti.names import HYBRID_STRATEGY_NAME, STAGED_STRATEGY_NAMES
 from tfmulti.platform import launcher, membership, network_isolation
 from tfmulti.platform.mesh import MeshError, parse_mesh, resolve_data_axis
 
@@ -131,7 +131,8 @@ def _launch(argv: list[str]) -> None:
         )
         sys.exit(2)
     batch_size = _worker_flag(command, "batch_size") or ""
-    hybrid = _worker_flag(command, "strategy") == HYBRID_STRATEGY_NAME
+    strategy = _worker_flag(command, "strategy")
+    hybrid = strategy == HYBRID_STRATEGY_NAME
     # A hybrid command without --mesh is refused by train.py itself.
     mesh = (_worker_flag(command, "mesh") or "") if hybrid else None
     # The training's own default, so the launcher counts the replicas it will train.
@@ -158,6 +159,7 @@ def _launch(argv: list[str]) -> None:
             mesh=mesh,
             cross_host_axis=cross_host_axis,
             remote_shell=FLAGS.remote_shell,
+            one_replica=strategy in STAGED_STRATEGY_NAMES,
         )
     )
 

@@ -145,6 +145,7 @@ def launch(
     mesh: str | None = None,
     cross_host_axis: str = "pipe",
     remote_shell: str | None = None,
+    one_replica: bool = False,
 ) -> int:
     """Runs `command` as `num_workers` workers and returns the exit status (0: success).
 
@@ -181,6 +182,8 @@ def launch(
             allocation naming another host than this one is refused.
         mesh, cross_host_axis: the worker command's hybrid `--mesh` and
             `--cross_host_axis`, whose data axis is what splits the global batch.
+        one_replica: the worker command spreads one model over all the workers' devices
+            (`--strategy=pipeline` or `model_parallel`), so any global batch splits.
         remote_shell: how to reach other hosts, e.g. "ssh -o BatchMode=yes"
             (`remote_shell.RemoteShell`): each slot (`host` or `host:index`) then runs on
             its host, this machine's directly and others' through the shell, in the same
@@ -218,7 +221,7 @@ def launch(
         offered,
         max_restarts_per_worker,
         global_batch_size,
-        DataReplicas(devices_per_worker, mesh, cross_host_axis),
+        DataReplicas(devices_per_worker, mesh, cross_host_axis, one_replica),
     )
     settled = membership.settle()
     if settled:

@@ -113,7 +113,9 @@ class DataReplicas:
 
     Each device of a worker is a replica, except under a hybrid mesh
     (`--strategy=hybrid --mesh=data=D,pipe=P[,tensor=K]`), where a replica spans P x K
-    devices: there are D replicas, or with `data=auto` as many as the workers' devices hold.
+    devices: there are D replicas, or with `data=auto` as many as the workers' devices hold;
+    and under `--strategy=pipeline` or `model_parallel`, whose one model spans every
+    worker's devices: one replica, which any batch splits.
 
     Args:
         devices_per_worker: each worker's devices (`--devices_per_worker`); None when not
@@ -121,6 +123,7 @@ class DataReplicas:
         mesh: the hybrid mesh as `--mesh` gives it; None for other strategies.
         cross_host_axis: the mesh axis laid across the workers, "pipe" (the training's
             default) or "data".
+        one_replica: the strategy spreads one model over all the workers' devices.
 
     Example:
         >>> DataReplicas(devices_per_worker=2, mesh="data=auto,pipe=2").count(3)
@@ -130,11 +133,14 @@ class DataReplicas:
     devices_per_worker: int | None = None
     mesh: str | None = None
     cross_host_axis: str = "pipe"
+    one_replica: bool = False
 
     def count(self, num_workers: int) -> int | None:
         """The data replicas of `num_workers` workers: 0 when their devices cannot hold
         the mesh, None when unknown (no devices per worker, or a mesh the training refuses
         by itself)."""
+        if self.one_replica:
+            return 1
         if self.mesh is None:
             return num_workers * (self.devices_per_worker or 1)
         if self.devices_per_worker is None or self.devices_per_replica is None:
