@@ -11,10 +11,14 @@ in another order, so float32 rounding stays within rel 1e-5 of the losses and rt
 atol 1e-6 of the weights.
 """
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
+import numpy as np
 import pytest
 from script_runner import (
     DEEP_MLP_MODEL,
@@ -22,6 +26,7 @@ from script_runner import (
     TWO_EPOCHS,
     assert_same_run,
     launch_training,
+    model_weights,
     read_metrics,
     run_script,
     start_launched_training,
@@ -91,12 +96,16 @@ def one_device_dir(shared_dir) -> str:
 
 @pytest.fixture(scope="module")
 def one_f_one_b_run(tmp_path_factory) -> tuple[str, str]:
-    """(model_dir, output) of 1F1B over 4 stages on 2 workers, with step checkpoints (which
-    change nothing in the training): the run both the training and the chief's-outputs
-    tests check."""
+    """(model_dir, output) of 1F1B over 4 stages on 2 workers, with step checkpoints and the
+    trained model saved at the end (which change nothing in the training): the run both the
+    training and the chief's-outputs tests check."""
     model_dir = str(tmp_path_factory.mktemp("one_f_one_b") / "run")
     returncode, output = launch_on_two_workers(
-        *PIPELINE, "--schedule=1f1b", "--checkpoint_steps=2", f"--model_dir={model_dir}"
+        *PIPELINE,
+        "--schedule=1f1b",
+        "--checkpoint_steps=2",
+        f"--model_dir={model_dir}",
+        f"--save_model={model_dir}/model.keras",
     )
     assert returncode == 0, output[-3000:]
     return model_dir, output
@@ -296,3 +305,47 @@ def test_an_uneven_batch_under_mixed_precision_across_workers_trains_like_one_de
     expected = [epoch["loss"] for epoch in reference["epochs"]]
     assert losses == pytest.approx(expected, rel=2e-2)
     assert losses[1] < losses[0]  # it learns
+
+
+# Loads a .keras file in a fresh process: its weights, as `layers/...` arrays of the file's
+# own weights store, and whether tfmulti was imported.
+PLAIN_LOADER = """
+import json, sys
+import keras
+model = keras.saving.load_model(sys.argv[1])
+print(json.dumps({"parameters": model.count_params(), "tfmulti_loaded": "tfmulti" in sys.modules}))
+"""
+
+
+def _saved_weights(path: str) -> list:
+    """The `layers/...` arrays inside a `.keras` file (its `model.weights.h5`), in order."""
+    import io
+    import zipfile
+
+    import h5py
+
+    arrays = []
+    with (
+        zipfile.ZipFile(path) as archive,
+        h5py.File(io.BytesIO(archive.read("model.weights.h5")), "r") as handle,
+    ):
+        handle["layers"].visititems(
+            lambda name, item: arrays.append(item[()]) if isinstance(item, h5py.Dataset) else None
+        )
+    return arrays
+
+
+def test_the_chief_saves_the_trained_model_as_a_plain_keras_file(one_f_one_b_run):
+    model_dir, output = one_f_one_b_run
+    path = os.path.join(model_dir, "model.keras")
+    assert f"Saved the trained model: {path}" in output
+    loaded = subprocess.run(
+        [sys.executable, "-c", PLAIN_LOADER, path], capture_output=True, text=True, timeout=120
+    )
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    report = json.loads(loaded.stdout.strip().splitlines()[-1])
+    assert report["tfmulti_loaded"] is False
+    saved, trained = _saved_weights(path), model_weights(model_dir)
+    assert report["parameters"] == sum(array.size for array in trained)
+    for weight, expected in zip(saved, trained, strict=True):
+        np.testing.assert_array_equal(weight, expected)

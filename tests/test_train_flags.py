@@ -15,6 +15,7 @@ BAD_FLAGS = [
     ("--steps_per_execution=0", "steps_per_execution"),
     ("--profile_steps=5,3", "profile_steps"),
     ("--profile_steps=abc", "profile_steps"),
+    ("--save_model=runs/model.h5", "save_model"),
     ("--virtual_devices=-2", "virtual_devices"),
     ("--virtual_devices=100000", "virtual_devices"),
     ("--collective_timeout=0.001", "collective_timeout"),

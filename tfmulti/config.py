@@ -78,6 +78,7 @@ class RunConfig:
     resume: bool = False
     keep_checkpoints: int = 3
     checkpoint_steps: int = 0
+    save_model: str | None = None
 
 
 @dataclasses.dataclass

@@ -217,6 +217,17 @@ def define_output_flags() -> None:
         "Also save a resumable checkpoint every N steps (0: at epoch ends only).",
         lower_bound=0,
     )
+    flags.DEFINE_string(
+        "save_model",
+        None,
+        "At the end, the chief saves the trained model here as a plain single-device .keras "
+        "file, which keras.saving.load_model loads without tfmulti.",
+    )
+    flags.register_validator(
+        "save_model",
+        lambda path: path is None or path.endswith(".keras"),
+        message="--save_model must name a .keras file, e.g. runs/model.keras",
+    )
 
 
 def _is_partition_spec(text: str) -> bool:

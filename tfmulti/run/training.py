@@ -22,6 +22,7 @@ from tfmulti.platform.distribute_strategy import per_replica_batch_size
 from tfmulti.platform.input_sharding import check_file_sharding
 from tfmulti.run.callbacks import StopOnNonFiniteLoss, ThroughputLogger
 from tfmulti.run.epoch_checkpoint import EpochCheckpoint, latest_checkpoint
+from tfmulti.run.model_export import save_trained_model
 from tfmulti.run.model_setup import build_compiled_model
 from tfmulti.run.preemption import SaveOnPreemption
 from tfmulti.run.profiling import ProfileSteps
@@ -326,5 +327,8 @@ def train(config: TrainConfig) -> dict:
         )
     final = model.evaluate(data.validation, steps=validation_steps, verbose=0, return_dict=True)
     record.finish(final)
+    if config.run.save_model and (cluster is None or cluster.is_chief):
+        save_trained_model(model, config.run.save_model)
+        logging.info("Saved the trained model: %s", config.run.save_model)
     logging.info("Finished. TensorBoard logs: %s", os.path.join(output_dir, "logs"))
     return record.record
