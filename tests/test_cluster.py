@@ -10,7 +10,7 @@ import pytest
 
 from tfmulti.platform import cluster as cluster_lib
 from tfmulti.platform import input_sharding
-from tfmulti.platform.worker_places import free_loopback_ports
+from tfmulti.platform.worker_places import free_ports
 
 HOSTS = ["127.0.0.1:2222", "127.0.0.1:2223", "127.0.0.1:2224"]
 
@@ -81,7 +81,7 @@ def test_unknown_communication_is_rejected_before_tensorflow_starts():
 
 
 def test_unreachable_peer_gives_a_one_line_error_within_the_connect_timeout():
-    hosts = [f"127.0.0.1:{port}" for port in free_loopback_ports(2)]
+    hosts = [f"127.0.0.1:{port}" for port in free_ports(2)]
     code = (
         "from tfmulti.platform import cluster\n"
         f"info = cluster.resolve_cluster({hosts!r}, 0)\n"

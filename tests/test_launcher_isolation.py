@@ -28,7 +28,7 @@ from tfmulti.platform.network_isolation import (
     PrivateNetwork,
     has_only_loopback,
 )
-from tfmulti.platform.worker_places import free_loopback_ports
+from tfmulti.platform.worker_places import free_ports
 
 LAUNCH = os.path.join(REPO_ROOT, "scripts", "launch.py")
 LISTENING_WORKER = os.path.join(REPO_ROOT, "tests", "workers", "listening_worker.py")
@@ -237,7 +237,7 @@ def test_the_chief_of_an_explicit_cluster_logs_once_what_it_exposes():
     if has_only_loopback():
         pytest.skip("this test process itself runs where no other machine reaches it")
 
-    address = f"127.0.0.1:{free_loopback_ports(1)[0]}"
+    address = f"127.0.0.1:{free_ports(1)[0]}"
     result = subprocess.run(
         [sys.executable, "-c", _CHIEF_OF_ONE_WORKER, address],
         capture_output=True,

@@ -238,8 +238,8 @@ def test_with_a_remote_shell_each_task_of_a_multi_node_allocation_runs_on_its_no
     )
     assert status == 0, messages
     assert sorted(os.listdir(run_dir)) == ["0-node07", "0-node08:0", "0-node08:1"]
-    # Once to find ports, then once for each of node08's workers.
-    assert hosts_log.read_text().splitlines() == ["node08", "node08", "node08"]
+    # Once to find ports, once for each of node08's workers, once to remove the scratch.
+    assert hosts_log.read_text().splitlines() == ["node08"] * 4
 
 
 @pytest.mark.parametrize(

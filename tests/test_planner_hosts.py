@@ -251,6 +251,7 @@ def test_validation_launches_a_layout_over_hosts_and_times_the_chiefs_steps():
         (["--inter_host_gbps=0", "--hosts=2", "--devices_per_host=2"], "inter_host_gbps"),
         (["--hosts=0", "--devices_per_host=2"], "hosts"),
         (["--launch_option=--hosts_file=h.txt"], "--launch_option"),
+        (["--hosts=2", "--devices_per_host=2", "--launch_option=--num_workers=4"], "planner"),
     ],
 )
 def test_contradictory_host_flags_are_refused_in_one_line(flags, named):
@@ -336,5 +337,6 @@ def test_the_printed_launch_command_of_a_two_host_plan_trains(two_host_plan, tmp
     stage_devices = [stage["device"] for stage in metrics["run"]["split"]["stages"]]
     assert any("task:0" in device for device in stage_devices)
     assert any("task:1" in device for device in stage_devices)
-    # Its workers ran on the two stand-in hosts (each asked for ports, then its worker).
-    assert sorted(hosts_log.read_text().split()) == ["127.0.0.2"] * 2 + ["127.0.0.3"] * 2
+    # Its workers ran on the two stand-in hosts (each asked for ports, to run its worker,
+    # then to remove the launch's scratch directory).
+    assert sorted(hosts_log.read_text().split()) == ["127.0.0.2"] * 3 + ["127.0.0.3"] * 3

@@ -10,6 +10,7 @@ launcher treats them as other hosts and addresses their workers by them.
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,7 +35,12 @@ from test_pipeline_across_workers import PIPELINE, one_device_two_epochs_dir
 
 from tfmulti.names import PREEMPTED_EXIT_CODE
 from tfmulti.platform import worker_guard
-from tfmulti.platform.launcher import LaunchError, worker_environments
+from tfmulti.platform.launcher import (
+    LaunchError,
+    worker_environments,
+    worker_process,
+    worker_variables,
+)
 from tfmulti.platform.remote_shell import (
     RemoteShell,
     RemoteShellError,
@@ -110,9 +116,12 @@ PREEMPTIBLE = (
     "print('ready', flush=True)\n"
     "time.sleep(120)\n"
 )
+# As PREEMPTIBLE, but its save takes 1.5 s.
+SLOW_TO_SAVE = PREEMPTIBLE.replace("    sys.exit(", "    time.sleep(1.5)\n    sys.exit(")
+# Prints "ignored" on each SIGTERM and goes on.
 STUBBORN = (
     "import signal, time\n"
-    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "signal.signal(signal.SIGTERM, lambda *_: print('ignored', flush=True))\n"
     "print('ready', flush=True)\n"
     "time.sleep(120)\n"
 )
@@ -132,8 +141,7 @@ def test_end_of_input_after_a_term_kills_a_worker_that_does_not_stop():
     assert guard.stdout.readline() == "ready\n"
     guard.stdin.write(f"{worker_guard.TERMINATE_LINE}\n")
     guard.stdin.flush()
-    time.sleep(0.5)
-    assert guard.poll() is None  # the worker ignored SIGTERM
+    assert guard.stdout.readline() == "ignored\n"
     guard.stdin.close()
     assert guard.wait(timeout=30) == 128 + signal.SIGKILL
 
@@ -147,20 +155,34 @@ def test_a_lost_connection_terms_the_worker_then_kills_it_after_the_grace():
     stubborn = start_guard(STUBBORN, grace_seconds=0.5)
     assert stubborn.stdout.readline() == "ready\n"
     stubborn.stdin.close()
+    assert stubborn.stdout.readline() == "ignored\n"
     assert stubborn.wait(timeout=30) == 128 + signal.SIGKILL
+
+
+def test_a_signal_to_the_guard_then_end_of_input_still_grants_the_grace():
+    """A cancelled SLURM step: SIGTERM to the guard, then its input closes. The worker's
+    save (1.5 s) fits the grace (30 s), so it ends preempted, not killed."""
+    guard = start_guard(SLOW_TO_SAVE)
+    assert guard.stdout.readline() == "ready\n"
+    guard.send_signal(signal.SIGTERM)
+    assert guard.stdout.readline() == "saving\n"
+    guard.stdin.close()
+    assert guard.wait(timeout=30) == PREEMPTED_EXIT_CODE
 
 
 def test_each_slot_is_addressed_on_its_host_on_a_port_the_probe_found():
     places = slot_places(["127.0.0.2:0", "localhost", "127.0.0.2:1"], SHELL, sys.executable, 0)
     assert [place.remote_host for place in places] == ["127.0.0.2", None, "127.0.0.2"]
+    # This machine, named localhost beside other hosts, is addressed by its host name,
+    # which the other hosts can reach.
     assert [place.address.rpartition(":")[0] for place in places] == [
         "127.0.0.2",
-        "localhost",
+        socket.gethostname(),
         "127.0.0.2",
     ]
     assert [(p.index_on_host, p.workers_on_host) for p in places] == [(0, 2), (0, 1), (1, 2)]
     ports = [int(place.address.rpartition(":")[2]) for place in places]
-    assert len(set(ports)) == 3 and all(port > 0 for port in ports)
+    assert ports[0] != ports[2] and all(port > 0 for port in ports)  # two on one host
 
 
 def test_a_host_the_shell_cannot_reach_is_named_in_one_line():
@@ -183,7 +205,7 @@ def test_each_worker_sees_its_share_of_its_hosts_gpus():
     assert [env["CUDA_VISIBLE_DEVICES"] for env in environments] == ["0,1", "2,3"]
     one_each = worker_environments(2, 1, places=gpu_places(2, 4), base_environment={})
     assert [env["CUDA_VISIBLE_DEVICES"] for env in one_each] == ["0", "1"]
-    with pytest.raises(LaunchError, match="2 workers x 3 GPUs need more than the 4 GPUs of n0"):
+    with pytest.raises(LaunchError, match="2 workers x 3 GPUs need more than the 4 GPUs of n0: "):
         worker_environments(2, 3, places=gpu_places(2, 4), base_environment={})
 
 
@@ -324,30 +346,50 @@ def test_a_pipeline_from_here_to_a_remote_host_checks_its_worker_and_trains_like
     assert_same_run(model_dir, one_device_two_epochs_dir(shared_dir))
 
 
-def test_the_guard_makes_the_launchers_scratch_directory_on_a_host_without_it(tmp_path):
+def test_the_guard_makes_the_scratch_directory_and_leaves_it_to_the_hosts_other_workers(
+    tmp_path,
+):
     scratch = tmp_path / "tfmulti-launch-x"
     program = (
         "import os, tempfile; print(tempfile.gettempdir(), os.path.isdir(os.environ['TMPDIR']))"
     )
-    guard = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tfmulti.platform.worker_guard",
-            "--",
-            sys.executable,
-            "-c",
-            program,
-        ],
-        env={**os.environ, "TMPDIR": str(scratch)},
-        stdin=subprocess.PIPE,  # held open while the worker runs, as the launcher does
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert guard.stdout.read() == f"{scratch} True\n"
-    assert guard.wait(timeout=60) == 0
-    guard.stdin.close()
-    assert not scratch.exists()  # removed at exit, as the guard made it
+    for _ in range(2):  # two workers of one host, one after the other
+        guard = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tfmulti.platform.worker_guard",
+                "--",
+                sys.executable,
+                "-c",
+                program,
+            ],
+            env={**os.environ, "TMPDIR": str(scratch)},
+            stdin=subprocess.PIPE,  # held open while the worker runs, as the launcher does
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert guard.stdout.read() == f"{scratch} True\n"
+        assert guard.wait(timeout=60) == 0
+        guard.stdin.close()
+        assert scratch.is_dir()  # a guard never removes it: the host's other workers use it
+    SHELL.remove_directory("127.0.0.2", str(scratch))  # the launcher's, at the end
+    assert not scratch.exists()
+
+
+def test_a_remote_worker_gets_every_variable_the_launcher_sets_even_one_set_here(monkeypatch):
+    """PYTHONUNBUFFERED=1 set here too still reaches the remote worker, and TMPDIR goes as
+    the launcher's scratch directory; variables the launcher does not set stay here."""
+    monkeypatch.setenv("PYTHONUNBUFFERED", "1")
+    monkeypatch.setenv("SOMETHING_OF_MINE", "x")
+    place = WorkerPlace("127.0.0.2:1", "127.0.0.2", 0, 1, 0)
+    (variables,) = worker_variables([place], devices_per_worker=2)
+    variables["TMPDIR"] = "/tmp/tfmulti-launch-x"
+    worker = worker_process(["python", "train.py"], variables, place, SHELL, 5)
+    line = worker.command[-1]
+    for name in ("TF_CONFIG", "PYTHONUNBUFFERED", "TFMULTI_VIRTUAL_DEVICES", "TMPDIR"):
+        assert f" {name}=" in line or f" '{name}=" in line, (name, line)
+    assert "SOMETHING_OF_MINE" not in line and worker.remote
 
 
 def test_a_worker_killed_on_its_host_is_reported_by_its_signal():
@@ -355,6 +397,56 @@ def test_a_worker_killed_on_its_host_is_reported_by_its_signal():
     returncode = guard.wait(timeout=60)
     guard.stdin.close()
     assert returncode == 128 + signal.SIGKILL
-    assert WorkerExit(1, returncode).describe() == (
+    assert WorkerExit(1, returncode, remote=True).describe() == (
         "worker 1 exited with code 137 (killed by SIGKILL)"
     )
+
+
+def test_a_host_that_does_not_answer_fails_its_slot_until_dropped(tmp_path, monkeypatch):
+    """127.0.0.4 is down from the start: each start's probe of it fails as its worker would,
+    and after more than --max_restarts_per_worker failures it is dropped."""
+    monkeypatch.setenv("STAND_IN_DOWN_HOSTS", "127.0.0.4")
+    stop_file = tmp_path / "stop"
+    launcher, run_dir, _ = stand_in_launch(
+        tmp_path,
+        ["127.0.0.2", "127.0.0.3", "127.0.0.4"],
+        ["--num_workers=2:3", "--max_restarts_per_worker=1", "--max_restarts=1"],
+        [f"--stop_file={stop_file}"],
+    )
+    try:
+        wait_for_attempt(run_dir, 2, 2, launcher)
+        stdout, stderr = stop_stand_ins(launcher, stop_file)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert launcher.returncode == 0, stderr
+    assert stderr.count("launch: could not reach host 127.0.0.4 through --remote_shell=") == 2
+    assert "launch: restarting all workers (1/1)" in stderr
+    assert (
+        "launch: 127.0.0.4 failed more than --max_restarts_per_worker=1 times; 127.0.0.4 left; "
+        "2 workers (127.0.0.2, 127.0.0.3); restarting the group" in stderr
+    )
+    assert group_sizes(run_dir) == [2]  # attempts 0 and 1 never started: the probe failed
+
+
+def test_a_killed_launcher_leaves_no_remote_worker_behind(tmp_path):
+    """SIGKILL to the launcher: its remote shells die with it, each guard's input ends,
+    and the guards stop their workers (SIGTERM: the stand-in worker exits at once)."""
+    launcher, run_dir, _ = stand_in_launch(
+        tmp_path,
+        ["127.0.0.2", "127.0.0.3"],
+        ["--num_workers=2", "--grace_seconds=5"],
+        [f"--stop_file={tmp_path / 'never'}"],
+    )
+    try:
+        wait_for_attempt(run_dir, 0, 2, launcher)
+        assert len(worker_processes_of(run_dir)) >= 2
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 60
+        while worker_processes_of(run_dir) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert worker_processes_of(run_dir) == []

@@ -184,6 +184,24 @@ flags.register_multi_flags_validator(
     "--launch_option starts the workers of a layout over several hosts; give --hosts and "
     "--devices_per_host too, or drop it",
 )
+# What the planner itself gives the launcher for each layout.
+_PLANNED_LAUNCH_FLAGS = ("--num_workers", "--devices_per_worker")
+
+
+def _not_planned(options: list[str]) -> bool:
+    for option in options:
+        name = option.partition("=")[0]
+        if name in _PLANNED_LAUNCH_FLAGS or not name.startswith("--") or name == "--":
+            raise flags.ValidationError(
+                "--launch_option takes a scripts/launch.py flag other than --num_workers and "
+                "--devices_per_worker (the planner sets those from --hosts and "
+                f"--devices_per_host), e.g. --launch_option=--hosts_file=hosts.txt. "
+                f"Received: --launch_option={option}"
+            )
+    return True
+
+
+flags.register_validator("launch_option", _not_planned)
 
 
 def _device_counts_agree(values: dict) -> bool:

@@ -56,12 +56,44 @@ from tfmulti.platform.worker_places import (
 )
 
 VIRTUAL_DEVICES_ENV = "TFMULTI_VIRTUAL_DEVICES"
+# The exit status of a launch stopped by a host the remote shell could not reach (ssh's).
+_UNREACHABLE_STATUS = 255
 # Where an elastic launch's slots come from, besides a file or a command.
 SLOT_ORIGINS = ("slurm",)
 
 
 class LaunchError(ValueError):
     """Raised for a launch request that cannot be carried out."""
+
+
+def worker_variables(
+    places: Sequence[WorkerPlace], devices_per_worker: int | None = None
+) -> list[dict[str, str]]:
+    """The variables the launcher sets for each worker: `TF_CONFIG` naming every worker's
+    address, unbuffered output, and its devices (a CUDA_VISIBLE_DEVICES slice of its host's
+    GPUs, else TFMULTI_VIRTUAL_DEVICES logical CPU devices when `devices_per_worker` is set).
+    """
+    if devices_per_worker is not None and devices_per_worker < 1:
+        raise LaunchError(
+            f"devices_per_worker must be >= 1. Received: devices_per_worker={devices_per_worker}"
+        )
+    addresses = [place.address for place in places]
+    assigned = []
+    for rank, place in enumerate(places):
+        variables = {
+            "TF_CONFIG": json.dumps(
+                {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": rank}}
+            ),
+            # Progress bars and prefixed lines appear as they are printed, not at exit.
+            "PYTHONUNBUFFERED": "1",
+        }
+        gpu_ids = _gpu_slice(place, devices_per_worker)
+        if gpu_ids:
+            variables["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in gpu_ids)
+        elif devices_per_worker is not None:
+            variables[VIRTUAL_DEVICES_ENV] = str(devices_per_worker)
+        assigned.append(variables)
+    return assigned
 
 
 def worker_environments(
@@ -71,17 +103,17 @@ def worker_environments(
     base_environment: dict[str, str] | None = None,
     places: Sequence[WorkerPlace] | None = None,
 ) -> list[dict[str, str]]:
-    """Environment of each worker: `TF_CONFIG` naming every worker's address, and its devices.
+    """Environment of each worker: `base_environment` (default os.environ) with
+    `worker_variables`.
 
     Args:
-        num_workers: workers in the group.
+        num_workers: workers in the group, all here on fresh loopback ports, when `places`
+            (where each worker runs, `worker_places`) is not given.
         devices_per_worker: GPUs per worker when its host has GPUs (default: an even
             share of them), else logical CPU devices, passed as TFMULTI_VIRTUAL_DEVICES.
-        num_gpus: GPUs on this machine, when `places` is not given; each worker gets a
-            CUDA_VISIBLE_DEVICES slice of its host's GPUs.
+        num_gpus: GPUs on this machine, when `places` is not given.
         base_environment: copied into every worker's environment; default os.environ.
-        places: where each worker runs (`worker_places`); default: all here, on fresh
-            loopback ports.
+        places: where each worker runs.
 
     Example:
         >>> worker_environments(2, devices_per_worker=2)[1]["TF_CONFIG"]
@@ -89,27 +121,9 @@ def worker_environments(
     """
     if num_workers < 1:
         raise LaunchError(f"num_workers must be >= 1. Received: num_workers={num_workers}")
-    if devices_per_worker is not None and devices_per_worker < 1:
-        raise LaunchError(
-            f"devices_per_worker must be >= 1. Received: devices_per_worker={devices_per_worker}"
-        )
     places = list(places) if places is not None else loopback_places(num_workers, num_gpus)
-    addresses = [place.address for place in places]
-    environments = []
-    for rank, place in enumerate(places):
-        environment = dict(os.environ if base_environment is None else base_environment)
-        environment["TF_CONFIG"] = json.dumps(
-            {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": rank}}
-        )
-        # Progress bars and prefixed lines appear as they are printed, not at exit.
-        environment["PYTHONUNBUFFERED"] = "1"
-        gpu_ids = _gpu_slice(place, devices_per_worker)
-        if gpu_ids:
-            environment["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in gpu_ids)
-        elif devices_per_worker is not None:
-            environment[VIRTUAL_DEVICES_ENV] = str(devices_per_worker)
-        environments.append(environment)
-    return environments
+    base = dict(os.environ if base_environment is None else base_environment)
+    return [{**base, **variables} for variables in worker_variables(places, devices_per_worker)]
 
 
 def _gpu_slice(place: WorkerPlace, devices_per_worker: int | None) -> range:
@@ -121,7 +135,8 @@ def _gpu_slice(place: WorkerPlace, devices_per_worker: int | None) -> range:
         host = place.address.rpartition(":")[0]
         raise LaunchError(
             f"{place.workers_on_host} workers x {per_worker} GPUs need more than the "
-            f"{place.host_gpus} GPUs of {host}. Received: devices_per_worker={devices_per_worker}"
+            f"{place.host_gpus} GPUs of {host}: lower --devices_per_worker or list fewer "
+            f"slots on {host}. Received: devices_per_worker={devices_per_worker}"
         )
     first = place.index_on_host * per_worker
     return range(first, first + per_worker)
@@ -231,6 +246,13 @@ def launch(
         messages.write(f"launch: {'; '.join(misfit)}\n")
         return 2
     network, exposed_because = _private_network(isolation, shell)
+    if shell is not None and isolation == "namespace":
+        messages.write(
+            "launch: refusing to start workers other machines could reach: workers on other "
+            "hosts (--remote_shell) cannot share a private network; restrict their ports with "
+            "a firewall and use --isolation=auto, or drop --remote_shell\n"
+        )
+        return 1
     if network is None and isolation == "namespace":
         messages.write(
             f"launch: refusing to start workers other machines could reach: {exposed_because}; "
@@ -255,8 +277,33 @@ def launch(
     # Non-chief workers keep scratch files under TMPDIR; a private one is removed
     # even when a worker is killed before it can clean up.
     scratch_root = tempfile.mkdtemp(prefix="tfmulti-launch-")
+    remote_hosts: set[str] = set()
+    change, restarts = Change(membership.slots), 0
+
+    def restart_after(failed_slots: Sequence[str], status: int) -> int | None:
+        """Counts a failure of `failed_slots` (none for a preemption): None to restart the
+        group (smaller, if a slot is dropped), or the status to stop with."""
+        nonlocal change, restarts
+        before = membership.slots
+        dropped = [slot for slot in failed_slots if membership.record_failure(slot)]
+        if dropped:
+            left = tuple(slot for slot in before if slot not in membership.slots)
+            change = Change(membership.slots, left=left)
+            messages.write(
+                f"launch: {', '.join(dropped)} failed more than "
+                f"--max_restarts_per_worker={max_restarts_per_worker} times; "
+                f"{change.describe()}; restarting the group\n"
+            )
+            return None
+        if restarts == max_restarts:
+            return status
+        restarts += 1
+        change = Change(membership.slots)
+        messages.write(f"launch: restarting all workers ({restarts}/{max_restarts})\n")
+        return None
+
     try:
-        change, failure, restarts = Change(membership.slots), None, 0
+        failure = None
         for attempt in itertools.count():
             shortfall = membership.shortfall()
             if shortfall and list_slots:
@@ -275,23 +322,30 @@ def launch(
                     if shell
                     else loopback_places(len(slots), num_gpus)
                 )
-                environments = worker_environments(
-                    len(slots), devices_per_worker, num_gpus, places=places
-                )
-            except (RemoteShellError, LaunchError) as error:
+                assigned = worker_variables(places, devices_per_worker)
+            except RemoteShellError as error:
+                # A host that does not answer fails its slots, as a crashed worker would.
+                messages.write(f"launch: {error}\n")
+                unreachable = [slot for slot in slots if host_of(slot) == error.host]
+                stop_status = restart_after(unreachable, _UNREACHABLE_STATUS)
+                if stop_status is not None:
+                    return stop_status
+                continue
+            except LaunchError as error:
                 messages.write(f"launch: {error}\n")
                 return failure.exit_status if failure else 1
-            for slot, environment in zip(slots, environments, strict=True):
-                environment["TMPDIR"] = scratch_root
+            remote_hosts.update(place.remote_host for place in places if place.remote_host)
+            for slot, variables in zip(slots, assigned, strict=True):
+                variables["TMPDIR"] = scratch_root
                 # As torchrun's restart count: a restarted worker knows to resume its run.
-                environment[RESTART_COUNT_VARIABLE] = str(attempt)
-                environment[SLOT_VARIABLE] = slot
-                environment[MEMBERSHIP_VARIABLE] = json.dumps(dataclasses.asdict(change))
+                variables[RESTART_COUNT_VARIABLE] = str(attempt)
+                variables[SLOT_VARIABLE] = slot
+                variables[MEMBERSHIP_VARIABLE] = json.dumps(dataclasses.asdict(change))
             if network is None:
-                messages.write(_exposure_warning(exposed_because, environments))
+                messages.write(_exposure_warning(exposed_because, places))
             workers_to_start = [
-                _worker_process(command, environment, place, shell, grace_seconds)
-                for environment, place in zip(environments, places, strict=True)
+                worker_process(command, variables, place, shell, grace_seconds)
+                for variables, place in zip(assigned, places, strict=True)
             ]
             group = WorkerGroup(workers_to_start, stream, network)
             watcher.change = None
@@ -316,48 +370,35 @@ def launch(
                 messages.write(f"launch: {change.describe()}; restarting the group\n")
                 continue
             messages.write(f"launch: {failure.describe()}; stopped the other workers\n")
-            if not failure.preempted:
-                dropped = membership.record_failure(slots[failure.rank])
-                if dropped is not None:
-                    change = dropped
-                    messages.write(
-                        f"launch: {slots[failure.rank]} failed more than "
-                        f"--max_restarts_per_worker={max_restarts_per_worker} times; "
-                        f"{change.describe()}; restarting the group\n"
-                    )
-                    continue
-            if restarts == max_restarts:
-                return failure.exit_status
-            restarts += 1
-            change = Change(membership.slots)
-            messages.write(f"launch: restarting all workers ({restarts}/{max_restarts})\n")
+            failed = [] if failure.preempted else [slots[failure.rank]]
+            stop_status = restart_after(failed, failure.exit_status)
+            if stop_status is not None:
+                return stop_status
     finally:
         for signum, handler in previous_handlers.items():
             signal.signal(signum, handler)
         shutil.rmtree(scratch_root, ignore_errors=True)
+        for host in sorted(remote_hosts):
+            shell.remove_directory(host, scratch_root)
         if network is not None:
             network.close()
 
 
-def _worker_process(
+def worker_process(
     command: Sequence[str],
-    environment: dict[str, str],
+    variables: dict[str, str],
     place: WorkerPlace,
     shell: RemoteShell | None,
     grace_seconds: float,
 ) -> WorkerProcess:
-    """How to start one worker: here, or on its host through the remote shell, carrying
-    the variables the launcher set (and `FORWARDED_VARIABLES`) on its command line."""
+    """How to start one worker: here with `variables` over this environment, or on its
+    host through the remote shell, carrying `variables` (and `FORWARDED_VARIABLES`) on its
+    command line. TMPDIR among them: the guard makes the scratch directory there, so a
+    serving worker posts its settings where the chief looks (`cluster_agreement`)."""
     if place.remote_host is None or shell is None:
-        return WorkerProcess(tuple(command), environment)
-    # TMPDIR among them: the guard makes the scratch directory there, so a serving worker
-    # posts its settings where the chief looks (`cluster_agreement`).
-    variables = {
-        name: value
-        for name, value in environment.items()
-        if os.environ.get(name) != value or name in FORWARDED_VARIABLES
-    }
-    line = remote_command_line(command, variables, os.getcwd(), grace_seconds)
+        return WorkerProcess(tuple(command), {**os.environ, **variables})
+    forwarded = {name: os.environ[name] for name in FORWARDED_VARIABLES if name in os.environ}
+    line = remote_command_line(command, {**forwarded, **variables}, os.getcwd(), grace_seconds)
     return WorkerProcess(tuple(shell.argv(place.remote_host, line)), dict(os.environ), remote=True)
 
 
@@ -419,9 +460,15 @@ def _private_network(
         return None, f"no private network ({error})"
 
 
-def _exposure_warning(exposed_because: str, environments: list[dict[str, str]]) -> str:
-    addresses = json.loads(environments[0]["TF_CONFIG"])["cluster"]["worker"]
-    ports = ", ".join(address.rpartition(":")[2] for address in addresses)
+def _exposure_warning(exposed_because: str, places: Sequence[WorkerPlace]) -> str:
+    addresses = ", ".join(place.address for place in places)
+    if any(place.remote_host for place in places):
+        return (
+            f"launch: {exposed_because}: the workers' unauthenticated TensorFlow ports "
+            f"({addresses}) listen on every interface of their hosts; admit only the job's "
+            "hosts to them (a firewall, or a network only the job reaches)\n"
+        )
+    ports = ", ".join(place.address.rpartition(":")[2] for place in places)
     return (
         f"launch: {exposed_because}: the workers' unauthenticated TensorFlow ports {ports} "
         "listen on every interface; close them with a firewall, or run where unprivileged "

@@ -4,9 +4,10 @@ DeepSpeed's launchers do.
 `tfmulti-launch --remote_shell="ssh -o BatchMode=yes"` starts each worker whose slot
 names another host as `<remote shell> <host> "<command line>"`; with `{host}` in the
 shell's words the host goes there instead (`srun --nodes=1 --ntasks=1 -w {host} sh -c`).
-The command line changes to the launcher's working directory, sets the variables the
-launcher gives the worker (its `TF_CONFIG` above all) and runs the worker under
-`worker_guard`, which stops it when the launcher asks or its connection ends.
+The command line, for a POSIX shell on the host (ssh runs it with the login shell), changes
+to the launcher's working directory, sets the variables the launcher gives the worker (its
+`TF_CONFIG` above all) and runs the worker under `worker_guard`, which stops it when the
+launcher asks or its connection ends.
 No TensorFlow is imported here.
 """
 
@@ -31,14 +32,18 @@ _PROBE = (
     "[s.bind(('',0)) for s in socks]\n"
     "gpus=0\n"
     "if shutil.which('nvidia-smi'):\n"
-    "    out=subprocess.run(['nvidia-smi','-L'],capture_output=True,text=True).stdout\n"
+    "    out=subprocess.run(['nvidia-smi','-L'],capture_output=True,text=True,timeout=10).stdout\n"
     "    gpus=sum(line.startswith('GPU ') for line in out.splitlines())\n"
     "print(json.dumps({'ports':[s.getsockname()[1] for s in socks],'gpus':gpus}))\n"
 )
 
 
 class RemoteShellError(ValueError):
-    """A remote shell that cannot be used, or a host it could not reach."""
+    """A remote shell that cannot be used, or a host it could not reach (`host`)."""
+
+    def __init__(self, message: str, host: str | None = None):
+        super().__init__(message)
+        self.host = host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,11 +112,24 @@ class RemoteShell:
             why = _last_line(result.stderr) or f"exit code {result.returncode}"
             raise self._unreachable(host, python, why) from None
 
+    def remove_directory(self, host: str, path: str) -> None:
+        """Removes `path` on `host` (the launch's scratch directory), as far as it can."""
+        try:
+            subprocess.run(
+                self.argv(host, shlex.join(["rm", "-rf", path])),
+                capture_output=True,
+                timeout=_PROBE_TIMEOUT_SECONDS,
+                stdin=subprocess.DEVNULL,
+            )
+        except (subprocess.SubprocessError, OSError):
+            pass
+
     def _unreachable(self, host: str, python: str, why: str) -> RemoteShellError:
         return RemoteShellError(
             f"could not reach host {host} through --remote_shell={shlex.join(self.words)!r} "
             f"({why}); check that `{shlex.join(self.argv(host, 'true'))}` succeeds without "
-            f"a password and that {python} runs there"
+            f"a password and that {python} runs there",
+            host,
         )
 
 
@@ -132,7 +150,7 @@ def remote_command_line(
 
     Example:
         >>> remote_command_line(["python", "train.py"], {"TF_CONFIG": "{}"}, "/job", 5)
-        "cd /job && exec env TF_CONFIG='{}' python -m tfmulti.platform.worker_guard ..."
+        "cd /job && exec env 'TF_CONFIG={}' python -m tfmulti.platform.worker_guard ..."
     """
     assignments = [f"{name}={value}" for name, value in sorted(variables.items())]
     guarded = [

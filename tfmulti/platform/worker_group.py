@@ -14,14 +14,19 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TextIO
+from typing import IO, TextIO
 
 from tfmulti.names import PREEMPTED_EXIT_CODE
 from tfmulti.platform.membership import SlotListWatcher
 from tfmulti.platform.network_isolation import PrivateNetwork
-from tfmulti.platform.worker_guard import TERMINATE_LINE
+from tfmulti.platform.worker_guard import TERMINATE_LINE, exit_status
 
 _POLL_SECONDS = 0.05
+# What ssh exits with when it cannot connect or loses the connection.
+_REMOTE_SHELL_FAILED = 255
+# How long a remote shell gets to end by itself once its input is closed (its guard then
+# kills the worker on the host), before the launcher kills the shell.
+_REMOTE_EXIT_SECONDS = 5.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -31,6 +36,7 @@ class WorkerExit:
 
     rank: int
     returncode: int
+    remote: bool = False  # started through a remote shell, which reports 128 + a signal
 
     @property
     def preempted(self) -> bool:
@@ -44,17 +50,29 @@ class WorkerExit:
             )
         if self.returncode < 0:
             return f"worker {self.rank} was killed by {signal.Signals(-self.returncode).name}"
-        shell_signal = self.returncode - 128
-        if shell_signal in signal.valid_signals():
-            # A remote shell reports a worker killed on its host as 128 + the signal.
-            name = signal.Signals(shell_signal).name
+        if self.remote and self.returncode == _REMOTE_SHELL_FAILED:
+            return (
+                f"worker {self.rank} exited with code {self.returncode} (ssh's code for a "
+                "connection that failed or dropped: is its host up?)"
+            )
+        if self.remote and 128 < self.returncode < 128 + signal.NSIG:
+            # The guard reports a worker killed on its host as 128 + the signal.
+            name = _signal_name(self.returncode - 128)
             return f"worker {self.rank} exited with code {self.returncode} (killed by {name})"
         return f"worker {self.rank} exited with code {self.returncode}"
 
     @property
     def exit_status(self) -> int:
         """The status a shell would report: the code, or 128 + signal number."""
-        return self.returncode if self.returncode > 0 else 128 - self.returncode
+        return exit_status(self.returncode)
+
+
+def _signal_name(signum: int) -> str:
+    """SIGKILL for 9; a real-time signal, which has no name, as `signal 35`."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _die_with_parent() -> None:
@@ -176,7 +194,7 @@ class WorkerGroup:
             exits = [process.poll() for process in self.processes]
             for rank, returncode in enumerate(exits):
                 if returncode not in (None, 0):
-                    return WorkerExit(rank, returncode)
+                    return WorkerExit(rank, returncode, self._workers[rank].remote)
             if all(returncode == 0 for returncode in exits):
                 return None
             time.sleep(_POLL_SECONDS)
@@ -197,11 +215,15 @@ class WorkerGroup:
         deadline = time.monotonic() + grace_seconds
         while time.monotonic() < deadline and any(p.poll() is None for p in self.processes):
             time.sleep(_POLL_SECONDS)
-        # A remote guard kills its worker at once on end of input after a TERM.
+        # A remote guard kills its worker at once on end of input after a TERM; its remote
+        # shell then ends by itself, unless the connection is already gone.
         self._terminate(remote_only=True)
-        for worker, process in zip(self._workers, self.processes, strict=True):
-            if worker.remote:
-                _close_quietly(process.stdin)
+        remote = [p for w, p in zip(self._workers, self.processes, strict=True) if w.remote]
+        for process in remote:
+            _close_quietly(process.stdin)
+        deadline = time.monotonic() + _REMOTE_EXIT_SECONDS
+        while time.monotonic() < deadline and any(p.poll() is None for p in remote):
+            time.sleep(_POLL_SECONDS)
         self._signal_groups(signal.SIGKILL)
         for process in self.processes:
             process.wait()
@@ -240,7 +262,7 @@ def _write_quietly(process: subprocess.Popen, line: str) -> None:
         pass
 
 
-def _close_quietly(pipe) -> None:
+def _close_quietly(pipe: IO[bytes] | None) -> None:
     if pipe is None or pipe.closed:
         return
     try:

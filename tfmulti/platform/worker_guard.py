@@ -9,7 +9,8 @@ connects to the launcher:
 - a line `TERM` sends SIGTERM to the worker (the preemption path: it saves, then exits);
 - end of input (the launcher stopped it or died, or the connection dropped) sends SIGTERM,
   then SIGKILL after the grace period, or SIGKILL at once after a `TERM`;
-- SIGTERM or SIGHUP to the guard itself acts as end of input.
+- SIGTERM, SIGHUP or SIGINT to the guard itself (a cancelled SLURM step, a closed
+  terminal) acts as end of input.
 
 The guard exits with the worker's status (128 + signal number for a worker killed by a
 signal), which the remote shell hands back to the launcher. No TensorFlow is imported here.
@@ -19,12 +20,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from typing import TextIO
 
 TERMINATE_LINE = "TERM"
 
@@ -35,28 +36,35 @@ class _Guard:
     def __init__(self, process: subprocess.Popen, grace_seconds: float):
         self._process = process
         self._grace_seconds = grace_seconds
-        self._terminated = threading.Event()
         self._lock = threading.Lock()
+        self._asked_to_terminate = False  # a TERM line came from the launcher
+        self._stopping = False  # the grace period has started
 
     def terminate(self) -> None:
+        """A `TERM` line: SIGTERM now (the worker saves and exits)."""
         with self._lock:
-            self._terminated.set()
-            self._signal(signal.SIGTERM)
+            self._asked_to_terminate = True
+        self._signal(signal.SIGTERM)
 
     def connection_lost(self) -> None:
-        """Stops the worker: at once after a `TERM`, else after SIGTERM and the grace."""
+        """End of input, or SIGTERM/SIGHUP/SIGINT to the guard: SIGKILL at once after a
+        `TERM` line; else SIGTERM, then SIGKILL if the worker outlasts the grace period
+        (a later call during that period changes nothing)."""
         with self._lock:
-            already_terminated = self._terminated.is_set()
-            self._terminated.set()
-            self._signal(signal.SIGKILL if already_terminated else signal.SIGTERM)
-        if already_terminated:
+            kill_now, already_stopping = self._asked_to_terminate, self._stopping
+            self._stopping = True
+        if kill_now:
+            self._signal(signal.SIGKILL)
             return
+        if already_stopping:
+            return
+        self._signal(signal.SIGTERM)
         try:
             self._process.wait(timeout=self._grace_seconds)
         except subprocess.TimeoutExpired:
             self._signal(signal.SIGKILL)
 
-    def listen(self, messages) -> None:
+    def listen(self, messages: TextIO) -> None:
         for line in messages:
             if line.strip() == TERMINATE_LINE:
                 self.terminate()
@@ -74,34 +82,31 @@ def exit_status(returncode: int) -> int:
     return returncode if returncode >= 0 else 128 - returncode
 
 
-def run(command: Sequence[str], grace_seconds: float, messages=None) -> int:
+def run(command: Sequence[str], grace_seconds: float, messages: TextIO | None = None) -> int:
     """Runs `command` in its own process group under the guard; returns its exit status.
 
     The launcher's scratch directory (`TMPDIR`, where a serving worker posts its settings
-    for the chief to check) is made here if this host lacks it, and then removed at exit.
+    for the chief to check) is made here if this host lacks it; it is shared by the host's
+    workers, so the launcher, not a guard, removes it at the end.
     """
     scratch = os.environ.get("TMPDIR")
-    made_scratch = bool(scratch) and not os.path.isdir(scratch)
-    if made_scratch:
-        os.makedirs(scratch)
-    try:
-        return _run_guarded(command, grace_seconds, messages)
-    finally:
-        if made_scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _run_guarded(command: Sequence[str], grace_seconds: float, messages) -> int:
+    if scratch:
+        os.makedirs(scratch, exist_ok=True)
+    # Installed before the worker starts, so a stop request is never missed; the handler
+    # only records it, and a thread stops the worker.
+    stop_requested = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop_requested.set())
     process = subprocess.Popen(list(command), stdin=subprocess.DEVNULL, start_new_session=True)
     guard = _Guard(process, grace_seconds)
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(
-            signum,
-            lambda *_: threading.Thread(target=guard.connection_lost, daemon=True).start(),
-        )
-    listener = threading.Thread(target=guard.listen, args=(messages or sys.stdin,), daemon=True)
-    listener.start()
+    threading.Thread(target=_stop_when_set, args=(stop_requested, guard), daemon=True).start()
+    threading.Thread(target=guard.listen, args=(messages or sys.stdin,), daemon=True).start()
     return exit_status(process.wait())
+
+
+def _stop_when_set(stop_requested: threading.Event, guard: _Guard) -> None:
+    stop_requested.wait()
+    guard.connection_lost()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

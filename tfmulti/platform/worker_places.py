@@ -51,11 +51,6 @@ def free_ports(count: int, interface: str = "127.0.0.1") -> list[int]:
             sock.close()
 
 
-def free_loopback_ports(count: int) -> list[int]:
-    """Returns `count` distinct TCP ports free on 127.0.0.1 right now."""
-    return free_ports(count)
-
-
 def visible_gpu_count() -> int:
     """Number of NVIDIA GPUs `nvidia-smi -L` lists; 0 without nvidia-smi."""
     if shutil.which("nvidia-smi") is None:
@@ -73,7 +68,7 @@ def loopback_places(num_workers: int, num_gpus: int) -> list[WorkerPlace]:
     """Every worker here, on a fresh loopback port."""
     return [
         WorkerPlace(f"127.0.0.1:{port}", None, rank, num_workers, num_gpus)
-        for rank, port in enumerate(free_loopback_ports(num_workers))
+        for rank, port in enumerate(free_ports(num_workers))
     ]
 
 
@@ -83,31 +78,41 @@ def slot_places(
     """Each slot's worker on the slot's host, on a port free there now.
 
     Hosts are addressed by the names the slots give, so name them as the other hosts
-    reach them. This machine's slots bind every interface, as its remote peers connect.
+    reach them; this machine named by a loopback name (`localhost`, 127.x) beside other
+    hosts is addressed by its host name instead. This machine's slots bind every
+    interface, as its remote peers connect.
 
     Raises:
-        remote_shell.RemoteShellError: a host that did not answer.
+        remote_shell.RemoteShellError: a host that did not answer (its `host`).
     """
     hosts = [host_of(slot) for slot in slots]
+    here = {host: is_this_machine(host) for host in dict.fromkeys(hosts)}
     ports: dict[str, list[int]] = {}
     gpus: dict[str, int] = {}
-    for host in dict.fromkeys(hosts):
+    for host in here:
         count = hosts.count(host)
-        if is_this_machine(host):
+        if here[host]:
             ports[host], gpus[host] = free_ports(count, interface=""), local_gpus
         else:
             found = remote_shell.probe(host, python, count)
             ports[host], gpus[host] = list(found.ports), found.gpus
+    spans_hosts = not all(here.values())
     places = []
     for rank, host in enumerate(hosts):
         index = hosts[:rank].count(host)
+        renamed = spans_hosts and here[host] and _is_loopback(host)
+        name = socket.gethostname() if renamed else host
         places.append(
             WorkerPlace(
-                address=f"{host}:{ports[host][index]}",
-                remote_host=None if is_this_machine(host) else host,
+                address=f"{name}:{ports[host][index]}",
+                remote_host=None if here[host] else host,
                 index_on_host=index,
                 workers_on_host=hosts.count(host),
                 host_gpus=gpus[host],
             )
         )
     return places
+
+
+def _is_loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.") or host == "::1"
