@@ -1,6 +1,7 @@
 """Elastic launches (`--num_workers=MIN:MAX`): slots that fail too often are dropped, a
 slot list shrinks and grows the group, and too few slots end the job in one line."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -46,6 +47,17 @@ def wait_for_attempt(run_dir, attempt, workers, launcher):
             return
         time.sleep(0.05)
     raise AssertionError(f"attempt {attempt} did not start {workers} workers")
+
+
+@contextlib.contextmanager
+def killed_at_exit(launcher: subprocess.Popen):
+    """Yields `launcher`, and kills it on the way out however the block ends, so a failed
+    assertion leaves no launcher (and, by their parent-death signal, no worker) behind."""
+    try:
+        yield launcher
+    finally:
+        launcher.kill()
+        launcher.wait()
 
 
 def stop_stand_ins(launcher, stop_file) -> tuple[str, str]:

@@ -25,6 +25,7 @@ from script_runner import (
 )
 from test_elastic_launcher import (
     group_sizes,
+    killed_at_exit,
     launch_command,
     stop_stand_ins,
     wait_for_attempt,
@@ -245,12 +246,9 @@ def test_a_remote_slot_failing_too_often_is_dropped_and_a_local_slot_runs_here(t
         ["--num_workers=2:3", "--max_restarts_per_worker=0"],
         ["--fail_slots=127.0.0.3", f"--stop_file={stop_file}"],
     )
-    try:
+    with killed_at_exit(launcher):
         wait_for_attempt(run_dir, 1, 2, launcher)
         stdout, stderr = stop_stand_ins(launcher, stop_file)
-    finally:
-        launcher.kill()
-        launcher.wait()
     assert launcher.returncode == 0, stderr
     assert "launch: worker 2 exited with code 3; stopped the other workers" in stderr
     assert "127.0.0.3 left; 2 workers (localhost, 127.0.0.2); restarting the group" in stderr
@@ -267,13 +265,10 @@ def test_a_sigterm_to_the_launcher_preempts_remote_workers_and_leaves_none_behin
         ["--num_workers=2", "--grace_seconds=20"],
         [f"--stop_file={tmp_path / 'never'}"],
     )
-    try:
+    with killed_at_exit(launcher):
         wait_for_attempt(run_dir, 0, 2, launcher)
         launcher.send_signal(signal.SIGTERM)
         stdout, stderr = launcher.communicate(timeout=60)
-    finally:
-        launcher.kill()
-        launcher.wait()
     assert launcher.returncode == PREEMPTED_EXIT_CODE, stderr
     assert "workers saved a checkpoint and stopped" in stderr
     assert worker_processes_of(run_dir) == []
@@ -304,13 +299,11 @@ def test_training_over_remote_hosts_shrinks_on_the_list_and_ends_like_one_device
         f"--remote_shell={STAND_IN}",
         grace_seconds=20,
     )
-    try:
+    with killed_at_exit(launcher):
         checkpoint = os.path.join(model_dir, "backup", f"step-{10:09d}.json")
         wait_for(lambda: os.path.exists(checkpoint), launcher, "step checkpoint 10")
         write_slots(hosts, ["127.0.0.2", "127.0.0.3"])
         output, _ = launcher.communicate(timeout=300)
-    finally:
-        launcher.kill()
     assert launcher.returncode == 0, output[-3000:]
     assert "launch: 127.0.0.4 left; 2 workers (127.0.0.2, 127.0.0.3); restarting the group" in (
         output
@@ -413,12 +406,9 @@ def test_a_host_that_does_not_answer_fails_its_slot_until_dropped(tmp_path, monk
         ["--num_workers=2:3", "--max_restarts_per_worker=1", "--max_restarts=1"],
         [f"--stop_file={stop_file}"],
     )
-    try:
+    with killed_at_exit(launcher):
         wait_for_attempt(run_dir, 2, 2, launcher)
         stdout, stderr = stop_stand_ins(launcher, stop_file)
-    finally:
-        launcher.kill()
-        launcher.wait()
     assert launcher.returncode == 0, stderr
     assert stderr.count("launch: could not reach host 127.0.0.4 through --remote_shell=") == 2
     assert "launch: restarting all workers (1/1)" in stderr
@@ -438,7 +428,7 @@ def test_a_killed_launcher_leaves_no_remote_worker_behind(tmp_path):
         ["--num_workers=2", "--grace_seconds=5"],
         [f"--stop_file={tmp_path / 'never'}"],
     )
-    try:
+    with killed_at_exit(launcher):
         wait_for_attempt(run_dir, 0, 2, launcher)
         assert len(worker_processes_of(run_dir)) >= 2
         launcher.kill()
@@ -446,7 +436,4 @@ def test_a_killed_launcher_leaves_no_remote_worker_behind(tmp_path):
         deadline = time.monotonic() + 60
         while worker_processes_of(run_dir) and time.monotonic() < deadline:
             time.sleep(0.1)
-    finally:
-        launcher.kill()
-        launcher.wait()
     assert worker_processes_of(run_dir) == []
