@@ -221,7 +221,8 @@ def define_output_flags() -> None:
         "save_model",
         None,
         "At the end, the chief saves the trained model here as a plain single-device .keras "
-        "file, which keras.saving.load_model loads without tfmulti.",
+        "file, which keras.saving.load_model loads on one device (a model of Keras layers "
+        "without tfmulti; one with custom layers once their module is imported).",
     )
     flags.register_validator(
         "save_model",

@@ -2,7 +2,8 @@
 
 Every tfmulti model saves as the plain Keras model it trains (`WrappedModel.save`, the
 unsplit model of tensor-parallel layers), so the file loads with
-`keras.saving.load_model` on one device, without tfmulti. Only the chief writes it.
+`keras.saving.load_model` on one device: without tfmulti for a model of Keras layers,
+with the model's own module imported for custom layers. Only the chief writes it.
 """
 
 from __future__ import annotations
