@@ -41,6 +41,7 @@ from tfmulti.platform.network_isolation import (
 )
 from tfmulti.platform.remote_shell import (
     FORWARDED_VARIABLES,
+    HOST_PLACEHOLDER,
     RemoteShell,
     RemoteShellError,
     remote_command_line,
@@ -434,8 +435,8 @@ def _starting_slots(
         raise ValueError(
             f"the SLURM allocation names hosts other than this one ({', '.join(elsewhere)}), "
             "and without --remote_shell the launcher starts every worker here: pass "
-            "--remote_shell='srun --nodes=1 --ntasks=1 --overlap -w {host} sh -c', or ask "
-            "for one node (sbatch -N1 --ntasks-per-node=N)"
+            f"--remote_shell='srun --nodes=1 --ntasks=1 --overlap -w {HOST_PLACEHOLDER} sh -c', "
+            "or ask for one node (sbatch -N1 --ntasks-per-node=N)"
         )
     if len(slots) < workers.minimum:
         raise ValueError(
