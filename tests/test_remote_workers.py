@@ -437,3 +437,23 @@ def test_a_killed_launcher_leaves_no_remote_worker_behind(tmp_path):
         while worker_processes_of(run_dir) and time.monotonic() < deadline:
             time.sleep(0.1)
     assert worker_processes_of(run_dir) == []
+
+
+def test_namespace_isolation_with_a_remote_shell_is_refused_naming_the_fix(tmp_path):
+    (tmp_path / "hosts").write_text("127.0.0.2\n")
+    command = launch_command(
+        [
+            "--num_workers=1",
+            "--isolation=namespace",
+            f"--hosts_file={tmp_path / 'hosts'}",
+            f"--remote_shell={STAND_IN}",
+        ],
+        ["--run_dir=x"],
+    )
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "launch: refusing to start workers other machines could reach: workers on other "
+        "hosts (--remote_shell) cannot share a private network; restrict their ports with a "
+        "firewall and use --isolation=auto, or drop --remote_shell"
+    )

@@ -247,18 +247,16 @@ def launch(
         messages.write(f"launch: {'; '.join(misfit)}\n")
         return 2
     network, exposed_because = _private_network(isolation, shell)
-    if shell is not None and isolation == "namespace":
-        messages.write(
-            "launch: refusing to start workers other machines could reach: workers on other "
-            "hosts (--remote_shell) cannot share a private network; restrict their ports with "
-            "a firewall and use --isolation=auto, or drop --remote_shell\n"
-        )
-        return 1
     if network is None and isolation == "namespace":
+        fix = (
+            "restrict their ports with a firewall and use --isolation=auto, or drop --remote_shell"
+            if shell is not None
+            else "run where unprivileged user namespaces are allowed, "
+            "or use --isolation=auto to start them with a warning"
+        )
         messages.write(
             f"launch: refusing to start workers other machines could reach: {exposed_because}; "
-            "run where unprivileged user namespaces are allowed, "
-            "or use --isolation=auto to start them with a warning\n"
+            f"{fix}\n"
         )
         return 1
     num_gpus = visible_gpu_count()

@@ -15,18 +15,14 @@ import keras
 KERAS_SUFFIX = ".keras"
 
 
-def check_save_path(path: str | None) -> None:
-    """Raises ValueError for a `--save_model` path Keras would not write as a `.keras` file."""
-    if path is not None and not path.endswith(KERAS_SUFFIX):
+def save_trained_model(model: keras.Model, path: str) -> None:
+    """Saves `model` to `path` whole or not at all: written beside it, then moved over it,
+    so a crash mid-save leaves any earlier file as it was. (`--save_model`'s validator
+    refuses a path that is not a `.keras` file before training starts.)"""
+    if not path.endswith(KERAS_SUFFIX):
         raise ValueError(
             f"--save_model must name a .keras file, e.g. runs/model.keras. Received: {path!r}"
         )
-
-
-def save_trained_model(model: keras.Model, path: str) -> None:
-    """Saves `model` to `path` whole or not at all: written beside it, then moved over it,
-    so a crash mid-save leaves any earlier file as it was."""
-    check_save_path(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     partial = f"{path[: -len(KERAS_SUFFIX)]}.partial{KERAS_SUFFIX}"
