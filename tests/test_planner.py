@@ -21,6 +21,7 @@ from tfmulti.planner import (
     score_layout,
     search_layouts,
 )
+from tfmulti.planner.machine import MachineCosts
 from tfmulti.planner.scoring import Layout
 from tfmulti.planner.train_flags import train_flags
 from tfmulti.planner.validation import distinct_layouts
@@ -342,3 +343,45 @@ def test_shared_compute_makes_a_step_at_least_every_devices_work_added_up():
     assert pipelined.pipeline_time == pytest.approx(4 * whole_batch_work)
     independent = score_layout(blocks, HybridMesh(pipe=2), "1f1b", 4, 1, (2,), HARDWARE)
     assert independent.pipeline_time < pipelined.pipeline_time
+
+
+def test_a_data_by_tensor_hybrid_runs_the_micro_batches_it_was_scored_at():
+    """train.py runs such a mesh's replicas as one-stage pipelines of --microbatches
+    (default 4); the printed command must run the layout's own count, which is 1."""
+    costs = _costs(num_blocks=6)
+    layouts = search_layouts(costs, 4, GLOBAL_BATCH, HARDWARE)
+    data_by_tensor = next(layout for layout in layouts if layout.mesh == HybridMesh(2, 1, 2))
+    flags = train_flags(data_by_tensor, costs, GLOBAL_BATCH)
+    assert "--strategy=hybrid" in flags
+    assert [flag for flag in flags if flag.startswith("--microbatches")] == [
+        f"--microbatches={data_by_tensor.num_microbatches}"
+    ]
+    result = run_script("train.py", *flags, "--only_check_args")
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("mesh", "runs_executor"),
+    [
+        (HybridMesh(2, 1, 2), True),
+        (HybridMesh(1, 2, 1), True),
+        (HybridMesh(4, 1, 1), False),
+        (HybridMesh(1, 1, 4), False),
+    ],
+)
+def test_the_executors_cost_is_added_where_train_py_runs_the_executor(mesh, runs_executor):
+    """Executor costs (fixed, per action) land on pipelines and on every hybrid mesh, a
+    data x tensor one included; mirrored and tensor-only runs pay none."""
+    blocks = blocks_at(_costs(num_blocks=4), 4, mesh.tensor, HARDWARE)
+    boundaries = (2,) if mesh.pipe == 2 else ()
+    schedule = "gpipe" if mesh.pipe > 1 else None
+
+    def overhead(**terms):
+        hardware = Hardware(bandwidth=HARDWARE.bandwidth, machine=MachineCosts(**terms))
+        return score_layout(blocks, mesh, schedule, 1, 1, boundaries, hardware).overhead_time
+
+    executor_cost = overhead(pipeline_fixed=0.01, per_action=0.001) - overhead()
+    dispatching_replicas = mesh.data
+    actions = 2 * mesh.pipe
+    expected = 0.01 + dispatching_replicas * 0.001 * actions if runs_executor else 0.0
+    assert executor_cost == pytest.approx(expected)

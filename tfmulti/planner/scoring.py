@@ -208,7 +208,7 @@ def score_layout(
         overhead_time = machine.step_seconds(num_variables) + machine.replica_seconds(
             dispatched_replicas, num_variables // mesh.pipe
         )
-        if mesh.pipe > 1:
+        if runs_pipeline_executor(mesh, hosts):
             actions, rounds = executed_actions(plan, rolled=cross_host_axis != "pipe")
             overhead_time += machine.pipeline_fixed + dispatched_replicas * (
                 machine.per_action * actions + machine.per_round * rounds
@@ -233,6 +233,19 @@ def score_layout(
         hosts=hosts,
         cross_host_axis=cross_host_axis,
     )
+
+
+def runs_pipeline_executor(mesh: HybridMesh, hosts: int = 1) -> bool:
+    """Whether `scripts/train.py` runs a layout through the pipeline executor: a pipeline,
+    or a hybrid mesh, whose replicas are one-stage pipelines when pipe = 1 (tensor-only
+    meshes over several hosts run as hybrid too).
+
+    Example:
+        >>> runs_pipeline_executor(HybridMesh(data=2, tensor=2))
+        True
+    """
+    axes_used = sum(size > 1 for size in (mesh.data, mesh.pipe, mesh.tensor))
+    return mesh.pipe > 1 or axes_used > 1 or (hosts > 1 and mesh.tensor > 1)
 
 
 def executed_actions(plan: Schedule, rolled: bool = True) -> tuple[int, int]:

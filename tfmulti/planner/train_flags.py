@@ -19,7 +19,7 @@ import shlex
 from collections.abc import Sequence
 
 from tfmulti.planner.costs import ModelCosts
-from tfmulti.planner.scoring import Layout
+from tfmulti.planner.scoring import Layout, runs_pipeline_executor
 from tfmulti.user_code import is_function_reference
 
 
@@ -68,6 +68,10 @@ def train_flags(layout: Layout, costs: ModelCosts, global_batch: int) -> list[st
             *([f"--chunks={layout.chunks}"] if layout.chunks > 1 else []),
             _partition_flag(layout, costs),
         ]
+    elif runs_pipeline_executor(mesh, layout.hosts):
+        # Its replicas are one-stage pipelines of --microbatches (default 4): run the count
+        # the layout was scored at.
+        flags.append(f"--microbatches={layout.num_microbatches}")
     flags += [f"--model={costs.model}", f"--dataset={costs.dataset}"]
     if costs.data_path:
         flags.append(f"--data_path={costs.data_path}")
