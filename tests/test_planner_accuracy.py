@@ -280,3 +280,24 @@ def test_validation_times_the_median_step_after_the_first_epoch_without_epoch_st
     )
     # 4 steps an epoch: steps 1-4 are the first epoch, step 5 starts the second.
     assert timed_step_seconds(log, 4) == [0.012, 0.09, 0.011]
+
+
+def test_a_layouts_fastest_run_counts_so_a_slow_spell_over_one_run_does_not(monkeypatch):
+    """Load only slows a run, and a slow spell of the machine can cover a whole run: with
+    two rounds, each layout's measured step is its faster run's median, not the median of
+    every step (which a slow run would drag halfway up)."""
+    from tfmulti.planner import validation
+
+    runs = iter(
+        [
+            [0.30, 0.31, 0.29],  # round 1, layout 1: a slow spell
+            [0.05, 0.06, 0.05],  # round 1, layout 2
+            [0.10, 0.11, 0.10],  # round 2, layout 1
+            [0.07, 0.07, 0.08],  # round 2, layout 2: slower than its first run
+        ]
+    )
+    monkeypatch.setattr(validation, "_run_layout", lambda *args: (next(runs), None))
+    layouts = search_layouts(_costs(), 2, 8, Hardware())[:2]
+    measured = validation.measure_layouts(layouts, _costs(), 8, "/nonexistent", repeats=2)
+    assert [m.measured_step_time for m in measured] == [0.10, 0.05]
+    assert len(measured[0].samples) == 6

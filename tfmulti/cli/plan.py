@@ -165,7 +165,12 @@ flags.DEFINE_integer(
     "next best of other kinds) and print predicted against measured step time.",
     lower_bound=0,
 )
-flags.DEFINE_integer("validate_repeats", 2, "Runs of each layout; the fastest counts.", 1)
+flags.DEFINE_integer(
+    "validate_repeats",
+    2,
+    "Runs of each layout, in rounds; the fastest run's median step counts.",
+    1,
+)
 flags.DEFINE_integer("validate_steps", 20, "Training steps per epoch in --validate.", 1)
 flags.DEFINE_integer(
     "validate_epochs", 3, "Epochs per --validate run; all after the first are timed.", 2

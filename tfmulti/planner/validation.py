@@ -1,12 +1,15 @@
 """Checking predictions against reality: running layouts with `scripts/train.py`.
 
 Pure Python (subprocesses). Each layout trains for a few short epochs, logging every
-step's time; its measured step time is the median over the steps after the first epoch
+step's time; a run's step time is the median over the steps after the first epoch
 (which includes tracing), each epoch's first step left out (it also starts the epoch's
 input and ran the last epoch's validation). A median, unlike a fastest epoch, moves
 little when other processes on a shared machine load it in bursts, and unlike an
-epoch's mean it leaves out what an epoch adds once. Without step lines (an older
-train.py), the fastest `step_time_ms` in `metrics.json` after the first epoch counts.
+epoch's mean it leaves out what an epoch adds once. With several runs of a layout, the
+fastest run's median counts: load only ever slows a run, a slow spell of the machine
+can last a whole run, and the model's block costs are measured the same way (their
+fastest round counts). Without step lines (an older train.py), the fastest
+`step_time_ms` in `metrics.json` after the first epoch counts.
 
 A layout over several hosts runs as its printed command does: `scripts/launch.py` starts
 one worker per host on this machine (loopback between them, not a real inter-host link),
@@ -46,7 +49,7 @@ class Measurement:
     Args:
         layout: the layout run.
         flags: the `scripts/train.py` flags it ran with.
-        measured_step_time: the median of the samples, or None if a run failed.
+        measured_step_time: the fastest run's median step, or None if a run failed.
         samples: seconds of each timed step of every run.
         error: the failed run's last line of output, else None.
     """
@@ -161,7 +164,8 @@ def measure_layouts(
     """Trains each layout with `scripts/train.py` and reads its step time.
 
     The layouts run in turn, `repeats` rounds over all of them, so a burst of load from
-    other processes hits every layout alike; the median step of all rounds counts.
+    other processes hits every layout alike; each layout's fastest run counts (the
+    median step of each run).
 
     Args:
         layouts: layouts to run, e.g. `distinct_layouts(search_layouts(...), 4)`.
@@ -177,7 +181,7 @@ def measure_layouts(
         raise ValueError(
             f"The first epoch includes tracing, so timing needs epochs >= 2. Received: {epochs}"
         )
-    samples = {rank: [] for rank in range(len(layouts))}
+    runs = {rank: [] for rank in range(len(layouts))}
     errors = {}
     for round_index in range(repeats):
         for rank, layout in enumerate(layouts):
@@ -196,13 +200,13 @@ def measure_layouts(
             if error is not None:
                 errors[rank] = error
             else:
-                samples[rank].extend(step_times)
+                runs[rank].append(step_times)
     return [
         Measurement(
             layout,
             tuple(train_flags(layout, costs, global_batch)),
-            statistics.median(samples[rank]) if rank not in errors else None,
-            tuple(samples[rank]),
+            min(map(statistics.median, runs[rank])) if rank not in errors else None,
+            tuple(step for run in runs[rank] for step in run),
             errors.get(rank),
         )
         for rank, layout in enumerate(layouts)
