@@ -385,3 +385,29 @@ def test_the_executors_cost_is_added_where_train_py_runs_the_executor(mesh, runs
     actions = 2 * mesh.pipe
     expected = 0.01 + dispatching_replicas * 0.001 * actions if runs_executor else 0.0
     assert executor_cost == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "mesh, hosts, strategy",
+    [
+        ("data=1", 1, "one_device"),
+        ("data=4", 1, "mirrored"),
+        ("data=4", 2, "multi_worker"),
+        ("pipe=4", 1, "pipeline"),
+        ("pipe=4", 2, "pipeline"),
+        ("tensor=4", 1, "model_parallel"),
+        ("tensor=4", 2, "hybrid"),
+        ("data=2,tensor=2", 1, "hybrid"),
+        ("data=2,pipe=2", 2, "hybrid"),
+    ],
+)
+def test_one_function_chooses_train_pys_strategy_for_the_command_and_the_costs(
+    mesh, hosts, strategy
+):
+    from tfmulti.planner.scoring import runs_pipeline_executor
+    from tfmulti.planner.train_strategy import train_strategy
+
+    parsed = parse_mesh(mesh)
+    assert train_strategy(parsed, hosts) == strategy
+    # The cost model charges the executor exactly where the command runs it.
+    assert runs_pipeline_executor(parsed, hosts) == (strategy in ("pipeline", "hybrid"))

@@ -1,8 +1,7 @@
 """The `scripts/train.py` flags that run a layout, and the command that starts it.
 
-Pure Python. One device: `--strategy=one_device`; data only: `--strategy=mirrored`;
-pipeline only: `--strategy=pipeline`; tensor only: `--strategy=model_parallel
---tensor_parallel=K`; two or more kinds at once: `--strategy=hybrid --mesh=...`. A
+Pure Python. The strategy is `tfmulti.planner.train_strategy`'s choice, with the flags
+it needs (`--num_stages`, `--tensor_parallel=K`, `--mesh=...`). A
 reference model's stages are cut by block index (`--partition=manual:3`), a user's
 model by the calls where stages begin (`--partition=layers:hidden_2`).
 
@@ -19,7 +18,8 @@ import shlex
 from collections.abc import Sequence
 
 from tfmulti.planner.costs import ModelCosts
-from tfmulti.planner.scoring import Layout, runs_pipeline_executor
+from tfmulti.planner.scoring import Layout
+from tfmulti.planner.train_strategy import EXECUTOR_STRATEGIES, train_strategy
 from tfmulti.user_code import is_function_reference
 
 
@@ -36,31 +36,18 @@ def train_flags(layout: Layout, costs: ModelCosts, global_batch: int) -> list[st
         ['--strategy=pipeline', '--virtual_devices=2', '--num_stages=2']
     """
     mesh = layout.mesh
-    kinds = sum(size > 1 for size in (mesh.data, mesh.pipe, mesh.tensor))
-    if layout.hosts > 1:
-        flags = _cross_host_strategy_flags(layout, kinds)
-    elif kinds == 0:
-        flags = ["--strategy=one_device"]
-    elif kinds > 1:
-        flags = [
-            "--strategy=hybrid",
-            f"--virtual_devices={mesh.num_devices}",
-            f"--mesh={mesh}",
-        ]
-    elif mesh.data > 1:
-        flags = ["--strategy=mirrored", f"--virtual_devices={mesh.data}"]
-    elif mesh.pipe > 1:
-        flags = [
-            "--strategy=pipeline",
-            f"--virtual_devices={mesh.pipe}",
-            f"--num_stages={mesh.pipe}",
-        ]
-    else:
-        flags = [
-            "--strategy=model_parallel",
-            f"--virtual_devices={mesh.tensor}",
-            f"--tensor_parallel={mesh.tensor}",
-        ]
+    strategy = train_strategy(mesh, layout.hosts)
+    flags = [f"--strategy={strategy}"]
+    if layout.hosts == 1 and strategy != "one_device":
+        flags.append(f"--virtual_devices={mesh.num_devices}")
+    if strategy == "hybrid":
+        flags.append(f"--mesh={mesh}")
+        if layout.hosts > 1:
+            flags.append(f"--cross_host_axis={layout.cross_host_axis}")
+    elif strategy == "pipeline":
+        flags.append(f"--num_stages={mesh.pipe}")
+    elif strategy == "model_parallel":
+        flags.append(f"--tensor_parallel={mesh.tensor}")
     if mesh.pipe > 1:
         flags += [
             f"--microbatches={layout.num_microbatches}",
@@ -68,7 +55,7 @@ def train_flags(layout: Layout, costs: ModelCosts, global_batch: int) -> list[st
             *([f"--chunks={layout.chunks}"] if layout.chunks > 1 else []),
             _partition_flag(layout, costs),
         ]
-    elif runs_pipeline_executor(mesh, layout.hosts):
+    elif strategy in EXECUTOR_STRATEGIES:
         # Its replicas are one-stage pipelines of --microbatches (default 4): run the count
         # the layout was scored at.
         flags.append(f"--microbatches={layout.num_microbatches}")
@@ -78,20 +65,6 @@ def train_flags(layout: Layout, costs: ModelCosts, global_batch: int) -> list[st
     flags += [f"--model_option={name}={value!r}" for name, value in costs.model_options.items()]
     flags.append(f"--batch_size={global_batch}")
     return flags
-
-
-def _cross_host_strategy_flags(layout: Layout, kinds: int) -> list[str]:
-    """The strategy of a layout over launched workers (the launcher sets their devices)."""
-    mesh = layout.mesh
-    if kinds == 1 and mesh.data > 1:
-        return ["--strategy=multi_worker"]
-    if kinds == 1 and mesh.pipe > 1:
-        return ["--strategy=pipeline", f"--num_stages={mesh.pipe}"]
-    return [
-        "--strategy=hybrid",
-        f"--mesh={mesh}",
-        f"--cross_host_axis={layout.cross_host_axis}",
-    ]
 
 
 def launch_flags(layout: Layout) -> list[str]:
