@@ -75,6 +75,11 @@ MACHINE = MachineCosts(
 )
 
 
+def _tensor_costs():
+    block = BlockCost("block", 1000, AffineTime(1e-3, 1e-4), AffineTime(2e-3, 2e-4), 4096, 2, 0, 2)
+    return ModelCosts("transformer", {}, "tokens", None, (block,) * 2, tensor_parallel_sizes=(1, 2))
+
+
 def _costs(num_blocks=4):
     block = BlockCost("block", 1000, AffineTime(1e-3, 1e-4), AffineTime(2e-3, 2e-4), 4096, 0, 0, 2)
     return ModelCosts("transformer", {}, "tokens", None, (block,) * num_blocks)
@@ -147,6 +152,76 @@ def test_machine_costs_round_trip_and_refuse_negative_terms():
         MachineCosts.from_json({"per_step": 1.0})
 
 
+def test_shared_compute_speeds_up_by_the_steps_own_concurrency():
+    # Two cores: two devices at work at once run 1.6x as fast; more add nothing.
+    machine = MachineCosts(serial_fraction=0.625, serial_fractions=(1.0, 0.8, 0.8 * 2 / 3, 0.4))
+    # A step whose devices never overlap (summed busy = makespan) gets no speed-up.
+    assert machine.shared_compute(3.0, 3.0) == pytest.approx(3.0)
+    # Two devices busy at once on average: 1 / 0.8 = 1.25x.
+    assert machine.shared_compute(1.0, 2.0) == pytest.approx(2.0 / 1.25)
+    # 1.5 at once: halfway between 1x and 1.25x in speed-up.
+    assert machine.shared_compute(2.0, 3.0) == pytest.approx(3.0 / 1.125)
+    # Four at once: the four-device figure, as the single fraction would give.
+    assert machine.shared_compute(1.0, 4.0) == pytest.approx(4.0 * 0.4)
+    # Never faster than the pipeline's own makespan.
+    assert machine.shared_compute(1.0, 1.0) == pytest.approx(1.0)
+    # Without the curve, the one fraction applies whatever the concurrency.
+    assert MachineCosts(serial_fraction=0.625).shared_compute(3.0, 3.0) == pytest.approx(3.0)
+    assert MachineCosts(serial_fraction=0.625).shared_compute(1.0, 4.0) == pytest.approx(2.5)
+
+
+def test_replicas_of_a_sequential_pipeline_overlap_as_two_devices_do():
+    # Four devices at once overlap much more than two: the single four-device fraction
+    # would make two replicas of a one-micro-batch pipeline (two devices at work at any
+    # time) 1.5x too fast.
+    machine = dataclasses.replace(MACHINE, serial_fraction=0.6, serial_fractions=(1, 0.9, 0.8, 0.6))
+    hardware = Hardware(machine=machine)
+    blocks = blocks_at(_costs(), 16, 1, hardware)
+    work = sum(b.forward_time + b.backward_time for b in blocks)
+    layout = score_layout(blocks, HybridMesh(data=2, pipe=2), "gpipe", 1, 1, (2,), hardware)
+    assert layout.pipeline_time == pytest.approx(0.9 * 2 * work, rel=1e-2)
+    # Four replicas at once: their summed work at the four-device fraction.
+    replica_blocks = blocks_at(_costs(), 8, 1, hardware)
+    replica_work = sum(b.forward_time + b.backward_time for b in replica_blocks)
+    mirrored = score_layout(replica_blocks, HybridMesh(data=4), None, 1, 1, (), hardware)
+    assert mirrored.pipeline_time == pytest.approx(0.6 * 4 * replica_work)
+
+
+def test_a_tensor_groups_allreduce_waits_take_no_share_of_the_processor():
+    from tfmulti.pipeline.balance import Block
+
+    machine = MachineCosts(serial_fraction=0.6, serial_fractions=(1.0, 0.9, 0.8, 0.6))
+    hardware = Hardware(machine=machine)
+    # Each block's passes take 8 s on every device of the group, 2 s of it waiting.
+    blocks = [Block(3.0, 5.0, communication_time=2.0), Block(3.0, 5.0, communication_time=2.0)]
+    layout = score_layout(blocks, HybridMesh(tensor=4), None, 1, 1, (), hardware)
+    computing = 4 * (16.0 - 4.0)  # four devices' compute, added up
+    # Three devices' worth at once on average (48 s over a 16 s makespan): 1 / 0.8 faster;
+    # then each device's own 4 s of waiting.
+    assert layout.pipeline_time == pytest.approx(computing * 0.8 + 4.0)
+    # blocks_at marks what it adds for the all-reduces as waiting.
+    split = blocks_at(_tensor_costs(), 8, 2, hardware)[0]
+    whole = blocks_at(_tensor_costs(), 8, 1, hardware)[0]
+    assert whole.communication_time == 0.0 and split.communication_time > 0.0
+    # The per-example part splits two ways; the fixed part and the all-reduces do not.
+    assert split.forward_time + split.backward_time == pytest.approx(
+        (1e-3 + 1e-4 * 8 / 2) + (2e-3 + 2e-4 * 8 / 2) + split.communication_time
+    )
+
+
+def test_serial_fractions_round_trip_and_are_checked():
+    machine = dataclasses.replace(MACHINE, serial_fractions=(1.0, 0.7, 0.6, 0.55))
+    assert MachineCosts.from_json(json.loads(json.dumps(machine.to_json()))) == machine
+    with pytest.raises(ValueError, match="serial_fractions"):
+        MachineCosts(serial_fractions=(1.0, 0.0))
+    costs = dataclasses.replace(_costs(), serial_fraction=0.6, serial_fractions=(1.0, 0.6))
+    assert ModelCosts.from_json(json.loads(json.dumps(costs.to_json()))) == costs
+    # A cost file written before the curve reads with none.
+    old = costs.to_json()
+    del old["serial_fractions"]
+    assert ModelCosts.from_json(old).serial_fractions == ()
+
+
 def test_machine_costs_are_measured_once_then_read_from_the_cost_cache(tmp_path, monkeypatch):
     from tfmulti.costing.cost_cache import CostCache
     from tfmulti.planner import machine_benchmarks
@@ -178,11 +253,12 @@ def test_allreduce_and_device_overlap_are_measured_on_logical_devices():
     spreads = []
     latency, bandwidth = machine_benchmarks._allreduce_costs(devices, spreads)
     assert latency > 0 and bandwidth > 0
-    serial = machine_benchmarks._serial_fraction(devices, spreads)
-    assert 0.5 <= serial <= 1.0
+    serial = machine_benchmarks._serial_fractions(devices, spreads)
+    assert serial[0] == 1.0 and len(serial) == 2 and 0.5 <= serial[1] <= 1.0
     # Two chains at once on one device: an overlapped pair's share of its halves.
-    pair = machine_benchmarks._serial_fraction(devices[:1] * 2, spreads)
-    assert 0.5 <= pair <= 1.0
+    pair = machine_benchmarks._serial_fractions(devices[:1] * 2, spreads)
+    assert 0.5 <= pair[-1] <= 1.0
+    # One spread per all-reduce size and per device count timed.
     assert len(spreads) == 6 and all(spread >= 0 for spread in spreads)
 
 
@@ -203,8 +279,8 @@ def test_a_models_own_overlap_is_measured_on_logical_devices_with_its_copies():
 
     spreads = []
     x, y = np.ones((16, 8), "float32"), np.zeros((16,), "int32")
-    serial = machine_benchmarks.model_serial_fraction(build, x, y, devices, spreads)
-    assert 0.5 <= serial <= 1.0 and len(spreads) == 2
+    serial = machine_benchmarks.model_serial_fractions(build, x, y, devices, spreads)
+    assert serial[0] == 1.0 and 0.5 <= serial[1] <= 1.0 and len(spreads) == 2
     # One copy per device, its weights placed there.
     placed = [tf.DeviceSpec.from_string(model.weights[0].value.device) for model in built]
     assert [spec.device_index for spec in placed] == [
@@ -225,6 +301,13 @@ def test_the_models_own_serial_fraction_replaces_the_machines_in_the_search():
     )
     costs = dataclasses.replace(_costs(), serial_fraction=0.3)
     assert ModelCosts.from_json(costs.to_json()) == costs
+    # The model's curve, when measured, replaces the machine's too.
+    curve = dataclasses.replace(
+        _costs(), serial_fraction=0.5, serial_fractions=(1.0, 1.0, 1.0, 0.5)
+    )
+    layouts = search_layouts(curve, 4, 32, Hardware(machine=MACHINE))
+    data_parallel = [layout for layout in layouts if layout.mesh == HybridMesh(data=4)][0]
+    assert data_parallel.pipeline_time == pytest.approx(0.5 * 4 * replica_work)
 
 
 def test_validate_json_reports_mape_kendall_tau_and_best_gap(tmp_path):

@@ -407,6 +407,7 @@ def _plan(argv: list[str]) -> None:
             ],
             "machine_costs": hardware.machine.to_json() if hardware.machine else None,
             "model_serial_fraction": costs.serial_fraction,
+            "model_serial_fractions": list(costs.serial_fractions),
         }
         if figures is not None:
             output.update(figures.to_json())

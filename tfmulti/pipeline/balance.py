@@ -43,6 +43,8 @@ class Block:
         activation_bytes: bytes kept alive from forward to backward.
         param_bytes: bytes of parameters and optimizer state; defaults to 4 x params.
         name: for reports.
+        communication_time: the part of forward_time + backward_time spent waiting on
+            collectives (a tensor group's all-reduces), not computing.
     """
 
     forward_time: float = 1.0
@@ -52,6 +54,7 @@ class Block:
     activation_bytes: float = 0.0
     param_bytes: float | None = None
     name: str = ""
+    communication_time: float = 0.0
 
     def __post_init__(self):
         if self.param_bytes is None:

@@ -116,6 +116,9 @@ class ModelCosts:
             one after the other, measured with the model itself
             (`machine_benchmarks.model_serial_fraction`); it replaces the machine's
             figure, or None to keep that.
+        serial_fractions: the same with k = 1..n devices at work at once
+            (`machine_benchmarks.model_serial_fractions`), replacing the machine's; empty
+            to keep those.
     """
 
     model: str
@@ -127,6 +130,7 @@ class ModelCosts:
     measured_batch_sizes: tuple[int, ...] = ()
     timing_spread: float = 0.0
     serial_fraction: float | None = None
+    serial_fractions: tuple[float, ...] = ()
 
     def to_json(self) -> dict:
         """The cost file's JSON object."""
@@ -164,6 +168,7 @@ class ModelCosts:
                 measured_batch_sizes=tuple(data.get("measured_batch_sizes", ())),
                 timing_spread=float(data.get("timing_spread", 0.0)),
                 serial_fraction=data.get("serial_fraction"),
+                serial_fractions=tuple(data.get("serial_fractions", ())),
             )
         except (KeyError, TypeError) as error:
             raise ValueError(
@@ -262,6 +267,7 @@ def blocks_at(
                 activation_bytes=activation_bytes,
                 param_bytes=block.params / split * hardware.bytes_per_param,
                 name=block.name,
+                communication_time=2 * communication,
             )
         )
     return blocks

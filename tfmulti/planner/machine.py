@@ -11,7 +11,9 @@ small benchmarks and keeps them in the cost cache beside the block costs. The te
 - an all-reduce's latency and bandwidth between the logical devices;
 - how much logical devices of one processor overlap: `serial_fraction` is the share of
   every device's work added up that runs one after the other (1: none overlaps, as for
-  logical CPU devices sharing the cores; 1/n: n devices run fully in parallel);
+  logical CPU devices sharing the cores; 1/n: n devices run fully in parallel), and
+  `serial_fractions` the same with k = 1..n devices at work at once (two cores are full
+  with two devices at work: more adds no overlap);
 - how much two independent pieces of work on one device overlap: `pair_fraction`, the
   time of both at once over the two one after the other, is what an overlapped F&B pair
   of DualPipeV costs against its forward and backward.
@@ -41,6 +43,8 @@ class MachineCosts:
         allreduce_latency: fixed time of one all-reduce over the logical devices.
         allreduce_bandwidth: bytes per second an all-reduce moves beyond its latency.
         serial_fraction: share of the devices' summed busy time that serialises.
+        serial_fractions: the serial fraction with k devices at work at once, for
+            k = 1..n (first 1.0); empty: `serial_fraction` whatever the concurrency.
         pair_fraction: time of two independent pieces of work started together on one
             device over their time one after the other, within [1/2, 1]: an overlapped
             pair's time over its forward's and backward's.
@@ -59,21 +63,28 @@ class MachineCosts:
     allreduce_latency: float = 0.0
     allreduce_bandwidth: float = 10e9
     serial_fraction: float = 0.0
+    serial_fractions: tuple[float, ...] = ()
     pair_fraction: float = 1.0
     relative_spread: float = 0.0
     num_devices: int = 1
 
     def __post_init__(self):
         values = dataclasses.asdict(self)
+        values["serial_fractions"] = min(self.serial_fractions, default=0.0)
         negative = {name: value for name, value in values.items() if value < 0}
         if negative or self.allreduce_bandwidth <= 0:
             raise ValueError(
                 "Machine costs must be >= 0 and the bandwidth > 0. "
                 f"Received: {negative or {'allreduce_bandwidth': self.allreduce_bandwidth}}"
             )
+        if any(not 0 < fraction <= 1 for fraction in self.serial_fractions):
+            raise ValueError(
+                "Serial fractions lie in (0, 1]. "
+                f"Received: serial_fractions={self.serial_fractions}"
+            )
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "serial_fractions": list(self.serial_fractions)}
 
     @classmethod
     def from_json(cls, data: dict) -> MachineCosts:
@@ -81,7 +92,7 @@ class MachineCosts:
         unknown = set(data) - names
         if unknown:
             raise ValueError(f"Unknown machine cost fields {sorted(unknown)}; known: {names}")
-        return cls(**data)
+        return cls(**{**data, "serial_fractions": tuple(data.get("serial_fractions", ()))})
 
     def allreduce_seconds(self, num_bytes: float, group_size: int) -> float:
         """One ring all-reduce of `num_bytes` over `group_size` devices: latency + traffic.
@@ -107,13 +118,34 @@ class MachineCosts:
         return replicas * (self.per_replica + self.per_replica_variable * variables)
 
     def shared_compute(self, makespan: float, summed_busy: float) -> float:
-        """Compute time of a step whose devices share processors: at least the serial share.
+        """Compute time of a step whose devices share processors: the devices' summed busy
+        time sped up by as much as the step's concurrency (summed busy time over the
+        makespan) allows, and at least the makespan.
 
         Example:
             >>> MachineCosts(serial_fraction=0.9).shared_compute(1.0, 4.0)
             3.6
+            >>> MachineCosts(serial_fractions=(1.0, 0.5, 0.5, 0.5)).shared_compute(2.0, 2.0)
+            2.0
         """
-        return max(makespan, self.serial_fraction * summed_busy)
+        if not self.serial_fractions or makespan <= 0:
+            return max(makespan, self.serial_fraction * summed_busy)
+        concurrency = min(max(summed_busy / makespan, 1.0), len(self.serial_fractions))
+        return max(makespan, summed_busy / self.speedup(concurrency))
+
+    def speedup(self, concurrency: float) -> float:
+        """How many times faster than one after the other the work of `concurrency`
+        devices at once runs (1 / serial fraction), linearly between whole device counts.
+
+        Example:
+            >>> MachineCosts(serial_fractions=(1.0, 0.5, 0.5)).speedup(1.5)
+            1.5
+        """
+        lower = min(int(concurrency), len(self.serial_fractions))
+        upper = min(lower + 1, len(self.serial_fractions))
+        share = concurrency - lower
+        low, high = (1.0 / self.serial_fractions[k - 1] for k in (lower, upper))
+        return low + share * (high - low)
 
 
 def step_uncertainty(step_time: float, costs: MachineCosts, block_spread: float = 0.0) -> float:

@@ -83,6 +83,7 @@ def measure_machine_costs(devices: list[str]) -> MachineCosts:
     if len(devices) > 1:
         pipeline_fixed, per_action, per_round = _executor_seconds(devices[:2], step_fixed, spreads)
     latency, bandwidth = _allreduce_costs(devices, spreads)
+    serial_fractions = tuple(float(value) for value in _serial_fractions(devices, spreads))
     costs = MachineCosts(
         step_fixed=float(step_fixed),
         per_variable=float(per_variable),
@@ -93,8 +94,9 @@ def measure_machine_costs(devices: list[str]) -> MachineCosts:
         per_round=float(per_round),
         allreduce_latency=float(latency),
         allreduce_bandwidth=float(bandwidth),
-        serial_fraction=float(_serial_fraction(devices, spreads)),
-        pair_fraction=float(_serial_fraction(devices[:1] * 2, spreads)),
+        serial_fraction=serial_fractions[-1],
+        serial_fractions=serial_fractions,
+        pair_fraction=float(_serial_fractions(devices[:1] * 2, spreads)[-1]),
         relative_spread=float(statistics.median(spreads)) if spreads else 0.0,
         num_devices=len(devices),
     )
@@ -262,10 +264,9 @@ def _allreduce_costs(devices: list[str], spreads: list[float]) -> tuple[float, f
     return seconds[0], bandwidth
 
 
-def _serial_fraction(devices: list[str], spreads: list[float]) -> float:
-    """Time of the same matrix products on every device at once over n times one device's:
-    1 when the devices' work runs one after the other, 1/n when fully in parallel. A
-    device listed twice runs two independent chains at once."""
+def _serial_fractions(devices: list[str], spreads: list[float]) -> tuple[float, ...]:
+    """The serial fraction of the same matrix products on k devices at once, k = 1..n
+    (`overlap_fractions`). A device listed twice runs two independent chains at once."""
     inputs = []
     for device in devices:
         with tf.device(device):
@@ -277,14 +278,16 @@ def _serial_fraction(devices: list[str], spreads: list[float]) -> float:
             value = tf.tanh(tf.matmul(value, matrix))
         return tf.reduce_sum(value)
 
-    return overlap_fraction(devices, matrix_chain, spreads)
+    return overlap_fractions(devices, matrix_chain, spreads)
 
 
-def model_serial_fraction(build, x, y, devices: list[str], spreads: list[float]) -> float:
-    """The serial fraction of a model's own work: its forward and backward pass on `x`
-    (a copy on each device) on every device at once, over n times one device's. Small
-    ops overlap less than the benchmark's matrix products, so a model's figure is the one
-    its layouts meet.
+def model_serial_fractions(
+    build, x, y, devices: list[str], spreads: list[float]
+) -> tuple[float, ...]:
+    """The serial fraction of a model's own work on k devices at once, k = 1..n: its
+    forward and backward pass on `x` (a copy on each device), as `overlap_fractions`.
+    Small ops overlap less than the benchmark's matrix products, so a model's figures are
+    the ones its layouts meet.
 
     Args:
         build: returns the compiled model (called once per device, under that device).
@@ -305,33 +308,64 @@ def model_serial_fraction(build, x, y, devices: list[str], spreads: list[float])
         gradients = tape.gradient(value, model.trainable_variables)
         return tf.add_n([tf.reduce_sum(gradient) for gradient in gradients])
 
-    return overlap_fraction(devices, forward_and_backward, spreads)
+    return overlap_fractions(devices, forward_and_backward, spreads)
 
 
-def overlap_fraction(devices: list[str], work, spreads: list[float]) -> float:
-    """Seconds of `work(i)` on every device i at once over n times its seconds on device
-    0 alone, within [1/n, 1]: 1 when the devices' work runs one after the other, 1/n when
-    fully in parallel. `work(i)` builds device i's ops and returns a scalar tensor."""
-    if len(devices) < 2:
-        return 1.0 / len(devices)
+def overlap_fractions(
+    devices: list[str], work, spreads: list[float], rounds: int = 15
+) -> tuple[float, ...]:
+    """The serial fraction of `work` on k devices at once, for every k = 1..n: seconds of
+    `work(i)` on devices 0..k-1 at once over k times its seconds on device 0 alone.
 
-    def timed(count):
+    Measured at k = 1, 2, 4, ... and n, the counts timed in turn `rounds` times so a slow
+    spell of the machine falls on every count alike (a count's median over its rounds
+    counts); counts between are interpolated in speedup (1 / fraction). Each measured
+    count's relative spread is appended to `spreads`. `work(i)` builds device i's ops and
+    returns a scalar tensor.
+
+    Example:
+        >>> overlap_fractions(devices[:4], matrix_chain, [])  # two cores
+        (1.0, 0.52, 0.51, 0.5)
+    """
+    count = len(devices)
+    if count < 2:
+        return (1.0,)
+    measured_counts = sorted({*(2**power for power in range(count.bit_length())), count})
+    measured_counts = [k for k in measured_counts if k <= count]
+
+    def at_once(k):
         @tf.function
         def run():
             results = []
-            for index, device in enumerate(devices[:count]):
+            for index, device in enumerate(devices[:k]):
                 with tf.device(device):
                     results.append(work(index))
             return results
 
-        run()
-        samples = []
-        for _ in range(9):
+        return run
+
+    runs = {k: at_once(k) for k in measured_counts}
+    for run in runs.values():
+        for _ in range(2):  # traced, then warm
+            [result.numpy() for result in run()]
+    samples = {k: [] for k in measured_counts}
+    for _ in range(rounds):
+        for k, run in runs.items():
             start = time.perf_counter()
             [result.numpy() for result in run()]
-            samples.append(time.perf_counter() - start)
-        return _median_and_spread(samples, spreads)
+            samples[k].append(time.perf_counter() - start)
+    medians = {k: _median_and_spread(samples[k], spreads) for k in measured_counts}
+    speedups = {k: k * medians[1] / medians[k] for k in measured_counts}
+    return tuple(
+        1.0 / min(max(_interpolated(speedups, k), 1.0), float(k)) for k in range(1, count + 1)
+    )
 
-    one = timed(1)
-    every = timed(len(devices))
-    return min(max(every / (len(devices) * one), 1.0 / len(devices)), 1.0)
+
+def _interpolated(points: dict[int, float], k: int) -> float:
+    """`points` (sorted keys) read at `k`, linearly between the nearest keys."""
+    below = max(key for key in points if key <= k)
+    above = min(key for key in points if key >= k)
+    if above == below:
+        return points[k]
+    share = (k - below) / (above - below)
+    return points[below] + share * (points[above] - points[below])

@@ -62,7 +62,7 @@ def measure_model_costs(
             scaled to add up to the model's measured one-device step less the
             framework's cost of that step (`MachineCosts.step_seconds`).
         devices: with `machine` and two or more devices, the model's own serial fraction
-            is measured over them (`ModelCosts.serial_fraction`).
+            is measured over them (`ModelCosts.serial_fractions`).
 
     Returns:
         The `ModelCosts`, ready for `search_layouts` or `save_costs`.
@@ -108,7 +108,7 @@ def measure_model_costs(
                 variables=variables[index],
             )
         )
-    serial_fraction = None
+    serial_fractions = ()
     if machine is not None:
 
         def build():
@@ -118,7 +118,7 @@ def measure_model_costs(
 
         step = _one_device_step(build, source.x_train, source.y_train, batch_sizes)
         costs = scaled_to_step(costs, step, machine.step_seconds(sum(variables)))
-        serial_fraction = _model_serial_fraction(
+        serial_fractions = _model_serial_fractions(
             build, source.x_train, source.y_train, batch_sizes[-1], devices
         )
     return ModelCosts(
@@ -129,7 +129,8 @@ def measure_model_costs(
         blocks=tuple(costs),
         tensor_parallel_sizes=_tensor_parallel_sizes(model, blocks),
         measured_batch_sizes=tuple(batch_sizes),
-        serial_fraction=serial_fraction,
+        serial_fraction=serial_fractions[-1] if serial_fractions else None,
+        serial_fractions=serial_fractions,
     )
 
 
@@ -164,15 +165,19 @@ def _one_device_step(build, x, y, batch_sizes) -> AffineTime:
     return AffineTime.fit(batch_sizes, interleaved_step_seconds(runs, []))
 
 
-def _model_serial_fraction(build, x, y, batch: int, devices: Sequence[str]) -> float | None:
-    """The model's serial fraction over `devices` (None for fewer than two), each device
-    running its share of `batch` (the global batch spread over the devices)."""
-    from tfmulti.planner.machine_benchmarks import model_serial_fraction
+def _model_serial_fractions(build, x, y, batch: int, devices: Sequence[str]) -> tuple[float, ...]:
+    """The model's serial fractions on 1..n of `devices` at once (none for fewer than
+    two), each device running its share of `batch` (the global batch spread over the
+    devices)."""
+    from tfmulti.planner.machine_benchmarks import model_serial_fractions
 
     if len(devices) < 2:
-        return None
+        return ()
     rows = max(1, batch // len(devices))
-    return model_serial_fraction(lambda: _compiled(build), x[:rows], y[:rows], list(devices), [])
+    fractions = model_serial_fractions(
+        lambda: _compiled(build), x[:rows], y[:rows], list(devices), []
+    )
+    return tuple(float(fraction) for fraction in fractions)
 
 
 def scaled_to_step(
@@ -292,7 +297,7 @@ def measure_user_model_costs(
                 else 0,
             )
         )
-    serial_fraction = None
+    serial_fractions = ()
     if machine is not None:
 
         def build():
@@ -302,7 +307,7 @@ def measure_user_model_costs(
         costs = scaled_to_step(
             costs, step, machine.step_seconds(sum(block.variables for block in costs))
         )
-        serial_fraction = _model_serial_fraction(
+        serial_fractions = _model_serial_fractions(
             build, examples, source.y_train, batch_sizes[-1], devices
         )
     return ModelCosts(
@@ -312,5 +317,6 @@ def measure_user_model_costs(
         data_path=data_path,
         blocks=tuple(costs),
         measured_batch_sizes=tuple(batch_sizes),
-        serial_fraction=serial_fraction,
+        serial_fraction=serial_fractions[-1] if serial_fractions else None,
+        serial_fractions=serial_fractions,
     )

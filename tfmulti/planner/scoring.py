@@ -5,8 +5,9 @@ device when pipe = 1), each device possibly one of a tensor group, and `data` re
 that. Its step time is the simulated pipeline makespan plus the data-parallel all-reduce
 of each device's gradients (all devices reduce at once, each over its own link). When
 the devices share one processor, the pipeline part is at least the busy time of every
-device of the mesh added up (with measured `MachineCosts`: that sum times the measured
-serial fraction). With `MachineCosts`, the framework's own cost is added: a step's fixed
+device of the mesh added up (with measured `MachineCosts`: that sum sped up as far as
+the step's concurrency allows, `MachineCosts.shared_compute`), tensor all-reduces counted
+as waiting rather than busy. With `MachineCosts`, the framework's own cost is added: a step's fixed
 cost, each replica's dispatch, and the pipeline executor's cost per action and per loop
 round. Peak memory per device is the parameter state of its stages plus its peak live
 activation bytes from the simulator.
@@ -35,6 +36,7 @@ from tfmulti.planner.hosts import (
     makespan_across_hosts,
     pipe_device_hosts,
 )
+from tfmulti.planner.train_strategy import EXECUTOR_STRATEGIES, train_strategy
 from tfmulti.platform.mesh import HybridMesh
 
 # The schedule a one-device "pipeline" runs: one forward, one backward.
@@ -196,15 +198,22 @@ def score_layout(
     peak_memory = max(
         held + live for held, live in zip(device_memory, result.peak_activation_bytes, strict=True)
     )
-    # Each host's devices share that host's processor only.
-    summed_busy = sum(result.busy_time) * mesh.data * mesh.tensor / hosts
+    # Each host's devices share that host's processor only. A tensor group's all-reduces
+    # wait rather than compute: they take no share of the processor, but each device
+    # waits through its own.
+    device_waits = [0.0] * mesh.pipe
+    for stage, device in zip(stage_blocks, plan.stage_devices, strict=True):
+        device_waits[device] += num_microbatches * sum(b.communication_time for b in stage)
+    summed_busy = (sum(result.busy_time) - sum(device_waits)) * mesh.data * mesh.tensor / hosts
     # With the data axis across, each worker's process runs its own replicas; with the pipe
     # axis across, the chief drives every replica.
     dispatched_replicas = mesh.data // hosts if cross_host_axis == "data" else mesh.data
     machine = hardware.machine
     overhead_time = 0.0
     if machine is not None:
-        pipeline_time = machine.shared_compute(pipeline_time, summed_busy)
+        pipeline_time = max(
+            pipeline_time, machine.shared_compute(pipeline_time, summed_busy) + max(device_waits)
+        )
         overhead_time = machine.step_seconds(num_variables) + machine.replica_seconds(
             dispatched_replicas, num_variables // mesh.pipe
         )
@@ -214,7 +223,7 @@ def score_layout(
                 machine.per_action * actions + machine.per_round * rounds
             )
     elif hardware.shared_compute:
-        pipeline_time = max(pipeline_time, summed_busy)
+        pipeline_time = max(pipeline_time, summed_busy + max(device_waits))
     step_time = pipeline_time + allreduce_time + overhead_time
     spread = math.hypot(machine.relative_spread if machine else 0.0, relative_spread)
     return Layout(
@@ -244,8 +253,7 @@ def runs_pipeline_executor(mesh: HybridMesh, hosts: int = 1) -> bool:
         >>> runs_pipeline_executor(HybridMesh(data=2, tensor=2))
         True
     """
-    axes_used = sum(size > 1 for size in (mesh.data, mesh.pipe, mesh.tensor))
-    return mesh.pipe > 1 or axes_used > 1 or (hosts > 1 and mesh.tensor > 1)
+    return train_strategy(mesh, hosts) in EXECUTOR_STRATEGIES
 
 
 def executed_actions(plan: Schedule, rolled: bool = True) -> tuple[int, int]:

@@ -79,7 +79,7 @@ def search_layouts(
         num_devices: devices to lay out, over all hosts.
         global_batch: examples per step over all replicas.
         hardware: bandwidth, parameter-state bytes and memory per device; the model's
-            own serial fraction (`costs.serial_fraction`), when measured, replaces its
+            own serial fractions (`costs.serial_fraction(s)`), when measured, replace its
             machine's.
         allow_fewer_devices: also consider meshes of a divisor of `num_devices`.
         max_microbatches: largest micro-batch count tried.
@@ -98,7 +98,11 @@ def search_layouts(
             f"Received: num_devices={num_devices}, hosts={hosts}"
         )
     if hardware.machine is not None and costs.serial_fraction is not None:
-        machine = dataclasses.replace(hardware.machine, serial_fraction=costs.serial_fraction)
+        machine = dataclasses.replace(
+            hardware.machine,
+            serial_fraction=costs.serial_fraction,
+            serial_fractions=costs.serial_fractions,
+        )
         hardware = dataclasses.replace(hardware, machine=machine)
     blocks_for = functools.lru_cache(maxsize=None)(
         lambda microbatch_size, tensor: tuple(blocks_at(costs, microbatch_size, tensor, hardware))
