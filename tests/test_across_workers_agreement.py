@@ -128,3 +128,31 @@ def test_a_sigterm_to_a_serving_worker_alone_saves_and_the_group_ends_like_the_u
     # Saved after the SIGTERM (global step 3), not before: 12 steps an epoch.
     assert (resume["epoch"] - 1) * 12 + resume["step"] > 3
     assert_same_run(model_dir, signalled_one_device_dir(shared_dir))
+
+
+def test_the_chief_looks_for_a_serving_workers_sigterm_every_few_steps_of_a_fast_run(
+    monkeypatch,
+):
+    from tfmulti.platform import connected_cluster
+
+    class Notices:
+        looks = 0
+        posted = False
+
+        def got_sigterm(self, device):
+            Notices.looks += 1
+            return Notices.posted
+
+    monkeypatch.setattr(connected_cluster, "_serving_workers", [(1, "/cpu:0", Notices())])
+    monkeypatch.setattr(connected_cluster, "_next_sigterm_check", 0.0)
+    monkeypatch.setattr(connected_cluster, "_steps_since_sigterm_check", 0)
+    # The clock stands still: every step falls within the same second.
+    monkeypatch.setattr(connected_cluster.time, "monotonic", lambda: 100.0)
+    # Steps far faster than the once-a-second look: the first step looks, then every
+    # _SIGTERM_CHECK_STEPS-th, so a notice posted mid-run is seen before a short run ends.
+    steps = 1 + 2 * connected_cluster._SIGTERM_CHECK_STEPS
+    assert [connected_cluster.serving_worker_got_sigterm() for _ in range(steps)] == [None] * steps
+    assert Notices.looks == 3
+    Notices.posted = True
+    seen = [connected_cluster.serving_worker_got_sigterm() for _ in range(steps)]
+    assert seen.index(1) == connected_cluster._SIGTERM_CHECK_STEPS - 1

@@ -39,12 +39,16 @@ from tfmulti.platform.cluster_agreement import (
 from tfmulti.platform.mesh import HybridMesh
 
 _POLL_SECONDS = 0.5
-# Each look for a serving worker's SIGTERM is a remote operation on every worker.
+# Each look for a serving worker's SIGTERM is a remote operation on every worker: at most
+# once a second, and at least every few steps, so a run of fast steps that ends within a
+# second of the signal still sees it.
 _SIGTERM_CHECK_SECONDS = 1.0
+_SIGTERM_CHECK_STEPS = 8
 # The workers the chief drives, once connected (TensorFlow's connection is process-wide
 # too): (rank, CPU device, notices).
 _serving_workers: list[tuple[int, str, WorkerNotices]] = []
 _next_sigterm_check = 0.0
+_steps_since_sigterm_check = 0
 
 
 def connect_to_workers(
@@ -140,13 +144,18 @@ def serve_chief(
 def serving_worker_got_sigterm() -> int | None:
     """The rank of a worker the chief drives that got SIGTERM, else None.
 
-    On the chief after `connect_to_workers`, it looks at most once a second; elsewhere
-    it returns None at once.
+    Called once a step. On the chief after `connect_to_workers`, it looks once a second
+    or every `_SIGTERM_CHECK_STEPS` calls, whichever comes first; elsewhere it returns
+    None at once.
     """
-    global _next_sigterm_check
-    if not _serving_workers or time.monotonic() < _next_sigterm_check:
+    global _next_sigterm_check, _steps_since_sigterm_check
+    if not _serving_workers:
+        return None
+    _steps_since_sigterm_check += 1
+    if time.monotonic() < _next_sigterm_check and _steps_since_sigterm_check < _SIGTERM_CHECK_STEPS:
         return None
     _next_sigterm_check = time.monotonic() + _SIGTERM_CHECK_SECONDS
+    _steps_since_sigterm_check = 0
     return next(
         (rank for rank, device, notices in _serving_workers if notices.got_sigterm(device)), None
     )
