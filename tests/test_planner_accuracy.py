@@ -100,6 +100,69 @@ def test_mirrored_step_adds_serial_compute_replica_dispatch_and_measured_allredu
     assert layout.uncertainty == pytest.approx(0.05 * layout.step_time)
 
 
+def test_a_hybrid_meshs_copies_pay_the_executors_replica_terms_and_mirrored_ones_strategys():
+    machine = dataclasses.replace(
+        MACHINE, executor_per_replica=2e-4, executor_per_replica_variable=3e-5
+    )
+    hardware = Hardware(machine=machine)
+
+    def replica_cost(mesh, schedule, boundaries, machine_costs):
+        blocks = blocks_at(_costs(), 16 // mesh.data, 1, hardware)
+        with_replicas, without = (
+            score_layout(
+                blocks,
+                scored_mesh,
+                schedule,
+                1,
+                1,
+                boundaries,
+                Hardware(machine=machine_costs),
+                num_variables=8,
+            ).overhead_time
+            for scored_mesh in (mesh, dataclasses.replace(mesh, data=1))
+        )
+        executor_actions = (mesh.data - 1) * machine_costs.per_action * 2 * mesh.pipe
+        return with_replicas - without - executor_actions * (mesh.pipe > 1)
+
+    # Two copies of a two-stage pipeline: the executor's terms, 4 variables per stage.
+    hybrid = HybridMesh(data=2, pipe=2)
+    assert replica_cost(hybrid, "gpipe", (2,), machine) == pytest.approx(2 * (2e-4 + 3e-5 * 4))
+    # Four MirroredStrategy replicas: the strategy's own terms, as before.
+    mirrored = HybridMesh(data=4)
+    assert replica_cost(mirrored, None, (), machine) == pytest.approx(4 * (1e-3 + 1e-4 * 8))
+    # A cost cache measured before the executor's terms existed: the strategy's stand in.
+    assert replica_cost(hybrid, "gpipe", (2,), MACHINE) == pytest.approx(2 * (1e-3 + 1e-4 * 4))
+
+
+def test_the_executors_replica_terms_leave_out_what_the_cost_model_adds_itself(monkeypatch):
+    import tensorflow as tf
+
+    from tfmulti.hybrid.hybrid_model import HybridPipelineModel
+    from tfmulti.planner import machine_benchmarks
+
+    devices = [device.name for device in tf.config.list_logical_devices("CPU")][:4]
+    built = []
+
+    def step_seconds(runs, spreads):
+        for build, x, _ in runs:
+            model = build()
+            assert isinstance(model, HybridPipelineModel) and len(x) % len(model.replicas) == 0
+            built.append((len(model.replicas), len(model.trainable_variables)))
+        # (1 copy, small), (4 copies, small), (1 copy, large), (4 copies, large)
+        return [0.010, 0.018, 0.020, 0.036]
+
+    monkeypatch.setattr(machine_benchmarks, "interleaved_step_seconds", step_seconds)
+    per_copy, per_variable = machine_benchmarks._executor_replica_seconds(
+        devices, per_action=1e-4, allreduce_latency=4e-4, spreads=[]
+    )
+    assert built == [(1, 4), (4, 4), (1, 32), (4, 32)]
+    # Per copy beyond one: small 8 ms / 4, large 16 ms / 4; 28 more variables.
+    assert per_variable == pytest.approx((0.004 - 0.002) / 28)
+    # Less the small model's 4 variables, 3 more copies' 2 actions, one all-reduce.
+    expected = 0.002 - 4 * per_variable - (3 * 2 * 1e-4 + 4e-4) / 4
+    assert per_copy == pytest.approx(expected)
+
+
 def test_pipeline_step_pays_the_executor_per_action_and_per_round():
     hardware = Hardware(machine=MACHINE)
     blocks = blocks_at(_costs(), 2, 1, hardware)
@@ -146,6 +209,16 @@ def test_uncertainty_adds_the_spreads_in_quadrature():
 
 def test_machine_costs_round_trip_and_refuse_negative_terms():
     assert MachineCosts.from_json(MACHINE.to_json()) == MACHINE
+    measured = dataclasses.replace(
+        MACHINE, executor_per_replica=0.0, executor_per_replica_variable=1e-5
+    )
+    assert MachineCosts.from_json(json.loads(json.dumps(measured.to_json()))) == measured
+    # A cost cache written before the executor's replica terms reads with none.
+    old = MACHINE.to_json()
+    del old["executor_per_replica"], old["executor_per_replica_variable"]
+    assert MachineCosts.from_json(old).executor_per_replica is None
+    with pytest.raises(ValueError, match="executor_per_replica_variable"):
+        MachineCosts(executor_per_replica_variable=-1.0)
     with pytest.raises(ValueError, match="per_action"):
         MachineCosts(per_action=-1.0)
     with pytest.raises(ValueError, match="Unknown machine cost fields"):
@@ -260,6 +333,9 @@ def test_allreduce_and_device_overlap_are_measured_on_logical_devices():
     assert 0.5 <= pair[-1] <= 1.0
     # One spread per all-reduce size and per device count timed.
     assert len(spreads) == 6 and all(spread >= 0 for spread in spreads)
+    # The hybrid executor's copies, timed for real: one spread per model timed.
+    terms = machine_benchmarks._executor_replica_seconds(devices, 1e-5, latency, spreads)
+    assert len(spreads) == 10 and all(term >= 0 for term in terms)
 
 
 def test_a_models_own_overlap_is_measured_on_logical_devices_with_its_copies():

@@ -7,7 +7,10 @@ small benchmarks and keeps them in the cost cache beside the block costs. The te
   (the optimizer updates each one), and what each data-parallel replica
   of `tf.distribute.MirroredStrategy` adds (per replica, and per replica and variable:
   MirroredStrategy dispatches every replica's updates and reduces every variable);
-- the pipeline executor's fixed cost per step, per scheduled action and per loop round;
+- the pipeline executor's fixed cost per step, per scheduled action and per loop round,
+  and what each copy of a hybrid mesh adds to it (per copy, and per copy and variable:
+  the executor sums the copies' gradients and copies one optimizer update to the others,
+  far less than MirroredStrategy's update of every replica);
 - an all-reduce's latency and bandwidth between the logical devices;
 - how much logical devices of one processor overlap: `serial_fraction` is the share of
   every device's work added up that runs one after the other (1: none overlaps, as for
@@ -40,6 +43,10 @@ class MachineCosts:
         pipeline_fixed: added to a step by the pipeline executor, whatever its schedule.
         per_action: each pipeline action (F, B, I or W of a stage on a micro-batch).
         per_round: each round of the executor's rolled loop.
+        executor_per_replica: added by each data-parallel copy of a pipeline (a hybrid
+            mesh's replica) beyond its actions; None (not measured, an older cost cache):
+            MirroredStrategy's `per_replica` stands in.
+        executor_per_replica_variable: added by each such copy for each trainable variable.
         allreduce_latency: fixed time of one all-reduce over the logical devices.
         allreduce_bandwidth: bytes per second an all-reduce moves beyond its latency.
         serial_fraction: share of the devices' summed busy time that serialises.
@@ -60,6 +67,8 @@ class MachineCosts:
     pipeline_fixed: float = 0.0
     per_action: float = 0.0
     per_round: float = 0.0
+    executor_per_replica: float | None = None
+    executor_per_replica_variable: float | None = None
     allreduce_latency: float = 0.0
     allreduce_bandwidth: float = 10e9
     serial_fraction: float = 0.0
@@ -71,7 +80,9 @@ class MachineCosts:
     def __post_init__(self):
         values = dataclasses.asdict(self)
         values["serial_fractions"] = min(self.serial_fractions, default=0.0)
-        negative = {name: value for name, value in values.items() if value < 0}
+        negative = {
+            name: value for name, value in values.items() if value is not None and value < 0
+        }
         if negative or self.allreduce_bandwidth <= 0:
             raise ValueError(
                 "Machine costs must be >= 0 and the bandwidth > 0. "
@@ -111,10 +122,21 @@ class MachineCosts:
         """A training step's framework cost on one device for a model of `variables`."""
         return self.step_fixed + self.per_variable * variables
 
-    def replica_seconds(self, replicas: int, variables: int) -> float:
-        """What `replicas` data-parallel replicas of a model with `variables` add per step."""
+    def replica_seconds(self, replicas: int, variables: int, executor: bool = False) -> float:
+        """What `replicas` data-parallel replicas of a model with `variables` add per step:
+        MirroredStrategy's replicas, or with `executor` the pipeline executor's copies
+        (MirroredStrategy's terms when the executor's were not measured).
+
+        Example:
+            >>> MachineCosts(per_replica=1.0, executor_per_replica=0.5).replica_seconds(
+            ...     2, 10, executor=True)
+            1.0
+        """
         if replicas <= 1:
             return 0.0
+        if executor and self.executor_per_replica is not None:
+            per_variable = self.executor_per_replica_variable or 0.0
+            return replicas * (self.executor_per_replica + per_variable * variables)
         return replicas * (self.per_replica + self.per_replica_variable * variables)
 
     def shared_compute(self, makespan: float, summed_busy: float) -> float:

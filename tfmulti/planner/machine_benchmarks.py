@@ -4,7 +4,8 @@ Each benchmark runs the framework itself on work too small to matter, so what it
 times is the framework: a Keras training step of a tiny model of two sizes on one device
 (fixed cost, per variable) and under MirroredStrategy (per replica, per replica and
 variable), the pipeline
-executor on tiny stages (fixed cost, per action, per loop round), an
+executor on tiny stages (fixed cost, per action, per loop round) and a hybrid mesh's
+data-parallel copies of it (per copy, per copy and variable), an
 all-reduce of two sizes (latency, bandwidth), the same matrix products on one and
 on n logical devices at once (how much of their work serialises), and two chains of them
 on one device at once (how much an overlapped pair's halves overlap). Every figure is the
@@ -26,8 +27,9 @@ import tensorflow as tf
 from absl import logging
 
 from tfmulti.costing.cost_cache import CostCache
+from tfmulti.pipeline.schedules import build_schedule
 from tfmulti.planner.machine import MachineCosts
-from tfmulti.planner.scoring import executed_actions
+from tfmulti.planner.scoring import NO_PIPELINE, executed_actions
 
 _STEPS = 16
 _WARMUP_STEPS = 4
@@ -79,10 +81,14 @@ def measure_machine_costs(devices: list[str]) -> MachineCosts:
         large_extra = (many_large - one_large) / len(devices)
         per_replica_variable = max(large_extra - small_extra, 0.0) / extra_variables
         per_replica = max(small_extra - per_replica_variable * 2 * _SMALL_LAYERS, 0.0)
+    latency, bandwidth = _allreduce_costs(devices, spreads)
     pipeline_fixed = per_action = per_round = 0.0
+    executor_per_replica = executor_per_replica_variable = None
     if len(devices) > 1:
         pipeline_fixed, per_action, per_round = _executor_seconds(devices[:2], step_fixed, spreads)
-    latency, bandwidth = _allreduce_costs(devices, spreads)
+        executor_per_replica, executor_per_replica_variable = _executor_replica_seconds(
+            devices, per_action, latency, spreads
+        )
     serial_fractions = tuple(float(value) for value in _serial_fractions(devices, spreads))
     costs = MachineCosts(
         step_fixed=float(step_fixed),
@@ -92,6 +98,8 @@ def measure_machine_costs(devices: list[str]) -> MachineCosts:
         pipeline_fixed=float(pipeline_fixed),
         per_action=float(per_action),
         per_round=float(per_round),
+        executor_per_replica=executor_per_replica,
+        executor_per_replica_variable=executor_per_replica_variable,
         allreduce_latency=float(latency),
         allreduce_bandwidth=float(bandwidth),
         serial_fraction=serial_fractions[-1],
@@ -208,7 +216,6 @@ def _executor_seconds(
     a one-device step: 1F1B over two tiny stages traced action by action at two
     micro-batch counts (fixed and per action), then run as a rolled loop (per round)."""
     from tfmulti.pipeline.runtime import PipelineModel
-    from tfmulti.pipeline.schedules import build_schedule
 
     def seconds(num_microbatches, rolled):
         def build():
@@ -228,6 +235,41 @@ def _executor_seconds(
     looped, (looped_actions, rounds) = seconds(8, rolled=True)
     per_round = max(looped - fixed - per_action * looped_actions, 0.0) / max(rounds, 1)
     return fixed, per_action, per_round
+
+
+def _executor_replica_seconds(
+    devices: list[str], per_action: float, allreduce_latency: float, spreads: list[float]
+) -> tuple[float, float]:
+    """(per copy, per copy and variable) that a hybrid mesh's data-parallel copies add to
+    the pipeline executor's step: one copy of a one-stage pipeline of the small and of the
+    large tiny model against one copy per device, their steps interleaved. What the cost
+    model adds on its own is left out: each copy's actions and the gradients' all-reduce."""
+    from tfmulti.hybrid.hybrid_model import HybridPipelineModel
+
+    data = np.ones((2 * len(devices), 8), "float32")
+
+    def run(layers: int, copies: int):
+        def build():
+            model = HybridPipelineModel(
+                lambda: [_tiny_model(layers)], [[device] for device in devices[:copies]]
+            )
+            model.compile(optimizer="adam", loss="mse")
+            return model
+
+        return build, data, data
+
+    copies = len(devices)
+    one_small, many_small, one_large, many_large = interleaved_step_seconds(
+        [run(layers, count) for layers in (_SMALL_LAYERS, _LARGE_LAYERS) for count in (1, copies)],
+        spreads,
+    )
+    small_extra = (many_small - one_small) / copies
+    large_extra = (many_large - one_large) / copies
+    per_variable = max(large_extra - small_extra, 0.0) / (2 * (_LARGE_LAYERS - _SMALL_LAYERS))
+    actions, _ = executed_actions(build_schedule(NO_PIPELINE, 1, 1))
+    modelled = (per_action * actions * (copies - 1) + allreduce_latency) / copies
+    per_copy = max(small_extra - per_variable * 2 * _SMALL_LAYERS - modelled, 0.0)
+    return float(per_copy), float(per_variable)
 
 
 def _allreduce_costs(devices: list[str], spreads: list[float]) -> tuple[float, float]:

@@ -214,10 +214,11 @@ def score_layout(
         pipeline_time = max(
             pipeline_time, machine.shared_compute(pipeline_time, summed_busy) + max(device_waits)
         )
+        executor = runs_pipeline_executor(mesh, hosts)
         overhead_time = machine.step_seconds(num_variables) + machine.replica_seconds(
-            dispatched_replicas, num_variables // mesh.pipe
+            dispatched_replicas, num_variables // mesh.pipe, executor=executor
         )
-        if runs_pipeline_executor(mesh, hosts):
+        if executor:
             actions, rounds = executed_actions(plan, rolled=cross_host_axis != "pipe")
             overhead_time += machine.pipeline_fixed + dispatched_replicas * (
                 machine.per_action * actions + machine.per_round * rounds
