@@ -70,21 +70,17 @@ def measure_machine_costs(devices: list[str]) -> MachineCosts:
     started = time.perf_counter()
     spreads = []
     one_small, one_large = _keras_step_seconds(devices[:1], spreads)
-    extra_variables = 2 * (_LARGE_LAYERS - _SMALL_LAYERS)
-    per_variable = max(one_large - one_small, 0.0) / extra_variables
-    step_fixed = max(one_small - per_variable * 2 * _SMALL_LAYERS, 0.0)
-    per_replica = per_replica_variable = 0.0
-    if len(devices) > 1:
-        many_small, many_large = _keras_step_seconds(devices, spreads)
-        # What the replicas add beyond one device, per replica.
-        small_extra = (many_small - one_small) / len(devices)
-        large_extra = (many_large - one_large) / len(devices)
-        per_replica_variable = max(large_extra - small_extra, 0.0) / extra_variables
-        per_replica = max(small_extra - per_replica_variable * 2 * _SMALL_LAYERS, 0.0)
+    step_fixed, per_variable = _fixed_and_per_variable(one_small, one_large)
     latency, bandwidth = _allreduce_costs(devices, spreads)
+    per_replica = per_replica_variable = 0.0
     pipeline_fixed = per_action = per_round = 0.0
     executor_per_replica = executor_per_replica_variable = None
     if len(devices) > 1:
+        many_small, many_large = _keras_step_seconds(devices, spreads)
+        # What the replicas add beyond one device, per replica.
+        per_replica, per_replica_variable = _fixed_and_per_variable(
+            (many_small - one_small) / len(devices), (many_large - one_large) / len(devices)
+        )
         pipeline_fixed, per_action, per_round = _executor_seconds(devices[:2], step_fixed, spreads)
         executor_per_replica, executor_per_replica_variable = _executor_replica_seconds(
             devices, per_action, latency, spreads
@@ -263,13 +259,22 @@ def _executor_replica_seconds(
         [run(layers, count) for layers in (_SMALL_LAYERS, _LARGE_LAYERS) for count in (1, copies)],
         spreads,
     )
-    small_extra = (many_small - one_small) / copies
-    large_extra = (many_large - one_large) / copies
-    per_variable = max(large_extra - small_extra, 0.0) / (2 * (_LARGE_LAYERS - _SMALL_LAYERS))
     actions, _ = executed_actions(build_schedule(NO_PIPELINE, 1, 1))
     modelled = (per_action * actions * (copies - 1) + allreduce_latency) / copies
-    per_copy = max(small_extra - per_variable * 2 * _SMALL_LAYERS - modelled, 0.0)
-    return float(per_copy), float(per_variable)
+    return _fixed_and_per_variable(
+        (many_small - one_small) / copies, (many_large - one_large) / copies, modelled
+    )
+
+
+def _fixed_and_per_variable(
+    small: float, large: float, modelled: float = 0.0
+) -> tuple[float, float]:
+    """(fixed, per trainable variable) seconds from the small and the large tiny model's
+    seconds, less `modelled` (what the cost model adds on its own) from the fixed part;
+    neither below zero."""
+    per_variable = max(large - small, 0.0) / (2 * (_LARGE_LAYERS - _SMALL_LAYERS))
+    fixed = max(small - per_variable * 2 * _SMALL_LAYERS - modelled, 0.0)
+    return float(fixed), float(per_variable)
 
 
 def _allreduce_costs(devices: list[str], spreads: list[float]) -> tuple[float, float]:
