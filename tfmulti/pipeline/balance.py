@@ -45,6 +45,9 @@ class Block:
         name: for reports.
         communication_time: the part of forward_time + backward_time spent waiting on
             collectives (a tensor group's all-reduces), not computing.
+        input_grad_time: time of the input-gradient part of a split backward (I), as
+            measured; None when not measured.
+        weight_grad_time: time of its weight-gradient part (W); None when not measured.
     """
 
     forward_time: float = 1.0
@@ -55,6 +58,8 @@ class Block:
     param_bytes: float | None = None
     name: str = ""
     communication_time: float = 0.0
+    input_grad_time: float | None = None
+    weight_grad_time: float | None = None
 
     def __post_init__(self):
         if self.param_bytes is None:

@@ -31,33 +31,41 @@ class StageCost:
 
     Args:
         forward: time of F.
-        backward: time of a full backward B; a split backward runs
-            I = backward - weight_grad, then W = weight_grad.
-        weight_grad: time of W, the weight-gradient part of the backward. Defaults to
+        backward: time of a full backward B.
+        weight_grad: time of W, the weight-gradient part of a split backward. Defaults to
             half of `backward`.
         activation_bytes: bytes a micro-batch keeps alive on this stage from F to its
             backward.
+        input_grad: time of I, the input-gradient part of a split backward. Defaults to
+            backward - weight_grad; a split backward measured on its own may take longer
+            than the whole one (I + W > B: each part pays its own call and reads again
+            what the whole one kept).
+
+    Example:
+        >>> StageCost(forward=1, backward=2, weight_grad=1, input_grad=1.5).duration("I")
+        1.5
     """
 
     forward: float = 1.0
     backward: float = 2.0
     weight_grad: float | None = None
     activation_bytes: float = 1.0
+    input_grad: float | None = None
 
     def __post_init__(self):
         if self.weight_grad is None:
             object.__setattr__(self, "weight_grad", self.backward / 2)
-        if min(self.forward, self.backward, self.weight_grad, self.activation_bytes) < 0:
+        explicit_input_grad = self.input_grad is not None
+        if not explicit_input_grad:
+            object.__setattr__(self, "input_grad", self.backward - self.weight_grad)
+        times = (self.forward, self.backward, self.weight_grad, self.input_grad)
+        if min(*times, self.activation_bytes) < 0:
             raise ValueError(f"Stage costs must be >= 0. Received: {self}")
-        if self.weight_grad > self.backward:
+        if not explicit_input_grad and self.weight_grad > self.backward:
             raise ValueError(
                 "weight_grad is part of backward and cannot exceed it. "
                 f"Received: backward={self.backward}, weight_grad={self.weight_grad}"
             )
-
-    @property
-    def input_grad(self) -> float:
-        return self.backward - self.weight_grad
 
     def duration(self, kind: str) -> float:
         """Time of an action of `kind` ("F", "B", "I" or "W") on this stage."""
@@ -130,6 +138,7 @@ class CostModel:
                 stage.backward / chunks,
                 stage.weight_grad / chunks,
                 stage.activation_bytes / chunks,
+                stage.input_grad / chunks,
             )
             for stage in self.stages
         ]

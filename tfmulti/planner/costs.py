@@ -18,7 +18,10 @@ The cost file is JSON:
                  "forward_seconds": {"fixed": 2e-4, "per_example": 1e-6},
                  "backward_seconds": {"fixed": 4e-4, "per_example": 2e-6},
                  "activation_bytes_per_example": 8192, "tensor_allreduces": 0,
-                 "tensor_replicated_bytes": 0}, ...]}
+                 "tensor_replicated_bytes": 0, "input_grad_share": 0.0,
+                 "weight_grad_share": 1.0}, ...]}
+
+The two shares (optional) are what a split backward's I and W take of B.
 """
 
 from __future__ import annotations
@@ -86,6 +89,10 @@ class BlockCost:
             reads (a Transformer block's norms and the biases after its reductions), sent
             from the group's first device each pass.
         variables: trainable variables (what a data-parallel replica updates one by one).
+        input_grad_share: the input-gradient part (I) of a split backward as a share of
+            the whole backward, as measured (`split_backward.split_backward_shares`);
+            None when not measured (the simulator then splits B in halves).
+        weight_grad_share: the weight-gradient part (W), likewise; I + W may exceed 1.
     """
 
     name: str
@@ -96,6 +103,8 @@ class BlockCost:
     tensor_allreduces: int = 0
     tensor_replicated_bytes: float = 0.0
     variables: int = 0
+    input_grad_share: float | None = None
+    weight_grad_share: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +164,8 @@ class ModelCosts:
                     tensor_allreduces=int(block.get("tensor_allreduces", 0)),
                     tensor_replicated_bytes=float(block.get("tensor_replicated_bytes", 0.0)),
                     variables=int(block.get("variables", 0)),
+                    input_grad_share=_optional_float(block.get("input_grad_share")),
+                    weight_grad_share=_optional_float(block.get("weight_grad_share")),
                 )
                 for block in data["blocks"]
             )
@@ -175,6 +186,10 @@ class ModelCosts:
                 f"Cost file field missing or malformed: {error}. See tfmulti.planner.costs "
                 "for the format."
             ) from None
+
+
+def _optional_float(value) -> float | None:
+    return None if value is None else float(value)
 
 
 def save_costs(costs: ModelCosts, path: str) -> None:
@@ -259,15 +274,24 @@ def blocks_at(
         communication = block.tensor_allreduces * allreduce_seconds(
             activation_bytes, split, hardware
         )
+        backward_compute = block.backward_seconds.at(microbatch_size, split)
+        split_backward = {}
+        if block.input_grad_share is not None and block.weight_grad_share is not None:
+            # The output gradient's all-reduce belongs to I, which hands gradients on.
+            split_backward = {
+                "input_grad_time": block.input_grad_share * backward_compute + communication,
+                "weight_grad_time": block.weight_grad_share * backward_compute,
+            }
         blocks.append(
             Block(
                 forward_time=block.forward_seconds.at(microbatch_size, split) + communication,
-                backward_time=block.backward_seconds.at(microbatch_size, split) + communication,
+                backward_time=backward_compute + communication,
                 params=block.params // split,
                 activation_bytes=activation_bytes,
                 param_bytes=block.params / split * hardware.bytes_per_param,
                 name=block.name,
                 communication_time=2 * communication,
+                **split_backward,
             )
         )
     return blocks

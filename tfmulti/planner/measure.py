@@ -91,6 +91,7 @@ def measure_model_costs(
         measure_blocks(blocks, source.x_train[:size], rounds=rounds) for size in batch_sizes
     ]
     variables = _built_variable_counts(blocks, source.x_train[:1])
+    shares = _blocks_split_shares(blocks, [source.x_train[:size] for size in batch_sizes])
     costs = []
     for index, block in enumerate(blocks):
         forward = [per_size[index].forward_time for per_size in measured]
@@ -106,6 +107,8 @@ def measure_model_costs(
                 tensor_allreduces=_TENSOR_ALLREDUCES.get(type(block).__name__, 0),
                 tensor_replicated_bytes=_tensor_replicated_bytes(block),
                 variables=variables[index],
+                input_grad_share=shares[index][0],
+                weight_grad_share=shares[index][1],
             )
         )
     serial_fractions = ()
@@ -132,6 +135,42 @@ def measure_model_costs(
         serial_fraction=serial_fractions[-1] if serial_fractions else None,
         serial_fractions=serial_fractions,
     )
+
+
+def _blocks_split_shares(blocks, samples) -> list[tuple[float, float]]:
+    """Each block's split-backward shares (I / B, W / B), averaged over `samples` (one
+    first-block input per measured batch size), on copies of the blocks."""
+    import tensorflow as tf
+
+    from tfmulti.costing.cost_cache import block_signature
+    from tfmulti.costing.split_backward import SplitShares
+    from tfmulti.pipeline.stages.block_partition import fresh_copy
+
+    measured = SplitShares()
+    per_sample = []
+    for sample in samples:
+        inputs = tf.nest.map_structure(tf.convert_to_tensor, sample)
+        row = []
+        for block in blocks:
+            copy = fresh_copy(block)
+            outputs = copy(inputs, training=True)
+            row.append(measured.of(copy, inputs, block_signature(copy, inputs)))
+            inputs = outputs
+        per_sample.append(row)
+    return mean_shares(per_sample)
+
+
+def mean_shares(per_sample) -> list[tuple[float, float]]:
+    """Per block, the mean of its (input, weight) shares over the samples' rows.
+
+    Example:
+        >>> mean_shares([[(0.5, 0.25)], [(1.0, 0.75)]])
+        [(0.75, 0.5)]
+    """
+    return [
+        tuple(sum(shares[part] for shares in column) / len(column) for part in (0, 1))
+        for column in zip(*per_sample, strict=True)
+    ]
 
 
 def _built_variable_counts(blocks, sample_input) -> list[int]:
@@ -259,7 +298,7 @@ def measure_user_model_costs(
         >>> costs = measure_user_model_costs("my_models:small_cnn", "my_models:arrays")
     """
     from tfmulti.costing.model_graph import call_graph, functional_view
-    from tfmulti.pipeline.stages.graph_partition import call_blocks
+    from tfmulti.pipeline.stages.graph_partition import call_blocks, call_split_shares
 
     if not is_function_reference(model):
         raise ValueError(f"model must be package.module:function. Received: model={model!r}")
@@ -277,6 +316,7 @@ def measure_user_model_costs(
     view = functional_view(function(**model_options))
     graph = call_graph(view, open_nested=True)
     measured = [call_blocks(view, graph, examples[:size]) for size in batch_sizes]
+    shares = mean_shares([call_split_shares(view, graph, examples[:size]) for size in batch_sizes])
     seen, costs = set(), []
     for index, node in enumerate(graph.nodes):
         first_call = id(node.operation) not in seen
@@ -295,6 +335,8 @@ def measure_user_model_costs(
                 variables=len(getattr(node.operation, "trainable_variables", ()))
                 if first_call
                 else 0,
+                input_grad_share=shares[index][0],
+                weight_grad_share=shares[index][1],
             )
         )
     serial_fractions = ()

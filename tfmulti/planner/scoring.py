@@ -97,6 +97,37 @@ class Layout:
         )
 
 
+def stage_cost(blocks: Sequence[Block], hands_gradients_back: bool = True) -> StageCost:
+    """One stage's costs for one micro-batch: its blocks' times summed.
+
+    With the blocks' split backward measured (`Block.input_grad_time`), I and W are
+    theirs; the first stage hands no gradient back, so its I computes nothing and its W is
+    the whole backward, as the executor cuts it. Otherwise the simulator's default split
+    (halves of B) stands.
+
+    Example:
+        >>> stage_cost([Block(1, 2, input_grad_time=1.5, weight_grad_time=0.7)]).input_grad
+        1.5
+    """
+    forward = sum(block.forward_time for block in blocks)
+    backward = sum(block.backward_time for block in blocks)
+    activation_bytes = sum(block.activation_bytes for block in blocks)
+    measured = all(
+        block.input_grad_time is not None and block.weight_grad_time is not None for block in blocks
+    )
+    if not measured:
+        return StageCost(forward, backward, activation_bytes=activation_bytes)
+    if not hands_gradients_back:
+        return StageCost(forward, backward, backward, activation_bytes, input_grad=0.0)
+    return StageCost(
+        forward,
+        backward,
+        weight_grad=sum(block.weight_grad_time for block in blocks),
+        activation_bytes=activation_bytes,
+        input_grad=sum(block.input_grad_time for block in blocks),
+    )
+
+
 def score_layout(
     blocks: Sequence[Block],
     mesh: HybridMesh,
@@ -154,12 +185,8 @@ def score_layout(
             f"Received: boundaries={tuple(boundaries)}"
         )
     stage_costs = tuple(
-        StageCost(
-            forward=sum(block.forward_time for block in stage),
-            backward=sum(block.backward_time for block in stage),
-            activation_bytes=sum(block.activation_bytes for block in stage),
-        )
-        for stage in stage_blocks
+        stage_cost(stage, hands_gradients_back=index > 0)
+        for index, stage in enumerate(stage_blocks)
     )
     sent_bytes = max((stage[-1].activation_bytes for stage in stage_blocks[:-1]), default=0.0)
     pair_fraction = hardware.machine.pair_fraction if hardware.machine else 1.0

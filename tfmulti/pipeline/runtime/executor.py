@@ -35,7 +35,11 @@ from tfmulti.pipeline.overlapped_pairs import pair_partners
 from tfmulti.pipeline.round_loop import is_fill_drain, loop_schedule
 from tfmulti.pipeline.runtime.fill_drain_step import run_phased
 from tfmulti.pipeline.runtime.round_loop_step import run_rolled
-from tfmulti.pipeline.runtime.stage_functions import Feed, StageFunctions, is_differentiable
+from tfmulti.pipeline.runtime.stage_functions import (
+    StageFunctions,
+    gather_feeds,
+    is_differentiable,
+)
 from tfmulti.pipeline.runtime.tensor_packing import PackedParts
 
 
@@ -124,10 +128,6 @@ def _tensor_part(gradient) -> tf.Tensor:
 
 def _tensors(nest) -> list[tf.Tensor]:
     return [t for t in tf.nest.flatten(nest) if isinstance(t, tf.Tensor)]
-
-
-def _gather(feeds: Sequence[Feed], sources: dict[str, Sequence[tf.Tensor]]) -> list:
-    return [sources[feed.source][feed.index] for feed in feeds]
 
 
 class ScheduleExecutor:
@@ -349,7 +349,9 @@ class _StepBuilder:
             "output_grad": list(self._output_grads(*key, stash)),
         }
         if split:
-            results = self._in_order(traced.input_grad, _gather(traced.input_grad_feeds, sources))
+            results = self._in_order(
+                traced.input_grad, gather_feeds(traced.input_grad_feeds, sources)
+            )
             input_grads = results[: traced.num_input_grads]
             self._hand_back(key, input_grads)
             # W reads the inputs and residuals from the stash, which stays until W.
@@ -357,7 +359,7 @@ class _StepBuilder:
             carry["carry"] = list(results[traced.num_input_grads :])
             self.carried[key] = PackedParts(traced.carry_part_specs(), carry)
             return list(input_grads)
-        results = self._in_order(traced.backward, _gather(traced.backward_feeds, sources))
+        results = self._in_order(traced.backward, gather_feeds(traced.backward_feeds, sources))
         del self.activations[key]
         sums = self._accumulate(
             traced.weights, traced.weight_gradients(results[traced.num_input_grads :])
@@ -379,7 +381,9 @@ class _StepBuilder:
         traced = stash.traced
         sources = {"input": stash.inputs, "residual": stash.residuals}
         sources.update(self.carried.pop(key).parts())
-        results = self._in_order(traced.weight_grad, _gather(traced.weight_grad_feeds, sources))
+        results = self._in_order(
+            traced.weight_grad, gather_feeds(traced.weight_grad_feeds, sources)
+        )
         return self._accumulate(traced.weights, traced.weight_gradients(results))
 
     def _accumulate(self, weights, weight_grads) -> list:

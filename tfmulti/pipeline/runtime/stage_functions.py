@@ -69,6 +69,11 @@ class Feed:
     index: int
 
 
+def gather_feeds(feeds: Sequence[Feed], sources: dict[str, Sequence[tf.Tensor]]) -> list:
+    """The tensors `feeds` name, taken from `sources` (lists keyed by `Feed.source`)."""
+    return [sources[feed.source][feed.index] for feed in feeds]
+
+
 class TracedStage:
     """One stage's F, B, I and W functions for one input signature.
 

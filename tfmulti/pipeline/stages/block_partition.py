@@ -154,7 +154,7 @@ def measure_blocks(
     timings = BlockTimings(cache, rounds)
     inputs = tf.nest.map_structure(tf.convert_to_tensor, sample_input)
     for block in blocks:
-        copy = _fresh_copy(block)
+        copy = fresh_copy(block)
         outputs = copy(inputs, training=True)
         forward_time = backward_time = 1.0
         if time_blocks:
@@ -246,7 +246,8 @@ class BlockTimings:
             )
 
 
-def _fresh_copy(block: keras.layers.Layer) -> keras.layers.Layer:
+def fresh_copy(block: keras.layers.Layer) -> keras.layers.Layer:
+    """An unbuilt copy of `block` from its config, to measure without building `block`."""
     try:
         return block.__class__.from_config(block.get_config())
     except Exception as error:

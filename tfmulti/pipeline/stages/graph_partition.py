@@ -159,6 +159,24 @@ def call_blocks(
     ]
 
 
+def call_split_shares(
+    model: keras.Model, graph: CallGraph, sample_input
+) -> list[tuple[float, float]]:
+    """Each call's split-backward shares (I / B, W / B) on `sample_input`
+    (`split_backward.split_backward_shares`); calls that cost the same are measured once.
+    Every variable is restored afterwards.
+
+    Example:
+        >>> shares = call_split_shares(model, call_graph(model, True), x[:16])
+    """
+    from tfmulti.costing.split_backward import SplitShares
+
+    measured = SplitShares()
+    with variables_restored(model):
+        calls = _record_calls(model, graph, sample_input)
+        return [measured.of(call, call.tensors, call_signature(call)) for call in calls]
+
+
 def _call_seconds(graph, calls, cache) -> list[tuple[float, float]]:
     timings = BlockTimings(cache)
     times = [
