@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tfmulti.costing.split_backward import SplitShares, split_backward_shares
 from tfmulti.pipeline import CostModel, StageCost, build_schedule, simulate
-from tfmulti.pipeline.balance import Block
+from tfmulti.pipeline.balance import Block, balance, stage_cost
 from tfmulti.planner.costs import (
     AffineTime,
     BlockCost,
@@ -25,7 +25,7 @@ from tfmulti.planner.costs import (
     save_costs,
 )
 from tfmulti.planner.measure import mean_shares, measure_model_costs
-from tfmulti.planner.scoring import score_layout, stage_cost
+from tfmulti.planner.scoring import score_layout
 from tfmulti.platform.mesh import HybridMesh
 
 
@@ -158,3 +158,20 @@ def test_measured_reference_model_costs_carry_each_blocks_shares():
     assert shares[0][0] == 0.0
     # Every later block has weights and a float input: both parts do work.
     assert all(input_share > 0 and weight_share > 0 for input_share, weight_share in shares[1:])
+
+
+def test_the_balancer_splits_for_a_zero_bubble_schedule_by_its_measured_i_and_w():
+    # Equal F and B everywhere; the first block's I is dear, the last block's W is dear.
+    def blocks(input_grads):
+        return [
+            Block(1.0, 2.0, input_grad_time=i, weight_grad_time=w, name=str(n))
+            for n, (i, w) in enumerate(input_grads)
+        ]
+
+    dear_late_input = blocks([(1.0, 1.0)] * 3 + [(6.0, 0.2)] * 3)
+    even = blocks([(1.0, 1.0)] * 6)
+    assert balance(even, 2, 4, "time", schedule="zb_h1").boundaries == (3,)
+    # The first stage's backward runs as W alone whatever I costs, so blocks with a dear
+    # I belong there: the split moves right.
+    chosen = balance(dear_late_input, 2, 4, "time", schedule="zb_h1").boundaries
+    assert chosen[0] > 3

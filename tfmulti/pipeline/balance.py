@@ -66,6 +66,37 @@ class Block:
             object.__setattr__(self, "param_bytes", 4.0 * self.params)
 
 
+def stage_cost(blocks: Sequence[Block], hands_gradients_back: bool = True) -> StageCost:
+    """One stage's costs for one micro-batch: its blocks' times summed.
+
+    With the blocks' split backward measured (`Block.input_grad_time`), I and W are
+    theirs; the first stage hands no gradient back, so its I computes nothing and its W is
+    the whole backward, as the executor cuts it. Otherwise the simulator's default split
+    (halves of B) stands.
+
+    Example:
+        >>> stage_cost([Block(1, 2, input_grad_time=1.5, weight_grad_time=0.7)]).input_grad
+        1.5
+    """
+    forward = sum(block.forward_time for block in blocks)
+    backward = sum(block.backward_time for block in blocks)
+    activation_bytes = sum(block.activation_bytes for block in blocks)
+    measured = all(
+        block.input_grad_time is not None and block.weight_grad_time is not None for block in blocks
+    )
+    if not measured:
+        return StageCost(forward, backward, activation_bytes=activation_bytes)
+    if not hands_gradients_back:
+        return StageCost(forward, backward, backward, activation_bytes, input_grad=0.0)
+    return StageCost(
+        forward,
+        backward,
+        weight_grad=sum(block.weight_grad_time for block in blocks),
+        activation_bytes=activation_bytes,
+        input_grad=sum(block.input_grad_time for block in blocks),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Partition:
     """A split of blocks into contiguous stages, with its predicted cost.
@@ -196,6 +227,7 @@ class _Planner:
         self.params_prefix = _prefix([b.params for b in blocks])
         self.param_bytes_prefix = _prefix([b.param_bytes for b in blocks])
         self.activation_prefix = _prefix([b.activation_bytes for b in blocks])
+        self.blocks = list(blocks)
         self._step_times: dict[tuple[int, ...], float] = {}
         self._sums: dict[int, list[float]] = {}
 
@@ -394,11 +426,7 @@ class _Planner:
         if boundaries not in self._step_times:
             edges = self.edges(boundaries)
             stages = tuple(
-                StageCost(
-                    self.segment(self.forward_prefix, edges[s], edges[s + 1]),
-                    self.segment(self.backward_prefix, edges[s], edges[s + 1]),
-                    activation_bytes=self.segment(self.activation_prefix, edges[s], edges[s + 1]),
-                )
+                stage_cost(self.blocks[edges[s] : edges[s + 1]], hands_gradients_back=s > 0)
                 for s in range(self.num_stages)
             )
             result = simulate(self.schedule, CostModel(stages, self.transfer_time))

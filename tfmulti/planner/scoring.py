@@ -24,11 +24,11 @@ import math
 from collections.abc import Sequence
 
 from tfmulti.pipeline.actions import Schedule
-from tfmulti.pipeline.balance import Block
+from tfmulti.pipeline.balance import Block, stage_cost
 from tfmulti.pipeline.overlapped_pairs import pair_times
 from tfmulti.pipeline.round_loop import loop_schedule
 from tfmulti.pipeline.schedules import build_schedule
-from tfmulti.pipeline.simulate import CostModel, StageCost, simulate
+from tfmulti.pipeline.simulate import CostModel, simulate
 from tfmulti.planner.costs import GRADIENT_BYTES_PER_PARAM, Hardware
 from tfmulti.planner.hosts import (
     check_cross_host_axis,
@@ -95,37 +95,6 @@ class Layout:
             self.hosts,
             self.cross_host_axis,
         )
-
-
-def stage_cost(blocks: Sequence[Block], hands_gradients_back: bool = True) -> StageCost:
-    """One stage's costs for one micro-batch: its blocks' times summed.
-
-    With the blocks' split backward measured (`Block.input_grad_time`), I and W are
-    theirs; the first stage hands no gradient back, so its I computes nothing and its W is
-    the whole backward, as the executor cuts it. Otherwise the simulator's default split
-    (halves of B) stands.
-
-    Example:
-        >>> stage_cost([Block(1, 2, input_grad_time=1.5, weight_grad_time=0.7)]).input_grad
-        1.5
-    """
-    forward = sum(block.forward_time for block in blocks)
-    backward = sum(block.backward_time for block in blocks)
-    activation_bytes = sum(block.activation_bytes for block in blocks)
-    measured = all(
-        block.input_grad_time is not None and block.weight_grad_time is not None for block in blocks
-    )
-    if not measured:
-        return StageCost(forward, backward, activation_bytes=activation_bytes)
-    if not hands_gradients_back:
-        return StageCost(forward, backward, backward, activation_bytes, input_grad=0.0)
-    return StageCost(
-        forward,
-        backward,
-        weight_grad=sum(block.weight_grad_time for block in blocks),
-        activation_bytes=activation_bytes,
-        input_grad=sum(block.input_grad_time for block in blocks),
-    )
 
 
 def score_layout(
