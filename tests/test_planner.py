@@ -19,6 +19,7 @@ from tfmulti.planner import (
     ring_allreduce_seconds,
     save_costs,
     score_layout,
+    scoring,
     search_layouts,
 )
 from tfmulti.planner.machine import MachineCosts
@@ -411,3 +412,14 @@ def test_one_function_chooses_train_pys_strategy_for_the_command_and_the_costs(
     assert train_strategy(parsed, hosts) == strategy
     # The cost model charges the executor exactly where the command runs it.
     assert runs_pipeline_executor(parsed, hosts) == (strategy in ("pipeline", "hybrid"))
+
+
+def test_a_search_rolls_each_schedule_once_however_many_splits_it_scores(monkeypatch):
+    rolled = []
+    roll = scoring.loop_schedule
+    monkeypatch.setattr(scoring, "loop_schedule", lambda plan: rolled.append(plan) or roll(plan))
+    scoring.executed_actions.cache_clear()
+    machine = MachineCosts(per_action=1e-5, per_round=1e-5)
+    layouts = search_layouts(_costs(num_blocks=12), 4, GLOBAL_BATCH, Hardware(machine=machine))
+    assert any(layout.mesh.pipe > 1 for layout in layouts)
+    assert rolled and len(rolled) == len(set(rolled))

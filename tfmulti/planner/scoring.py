@@ -20,6 +20,7 @@ share only that host's processor, and each process dispatches only the replicas 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -253,10 +254,14 @@ def runs_pipeline_executor(mesh: HybridMesh, hosts: int = 1) -> bool:
     return train_strategy(mesh, hosts) in EXECUTOR_STRATEGIES
 
 
+@functools.lru_cache(maxsize=256)
 def executed_actions(plan: Schedule, rolled: bool = True) -> tuple[int, int]:
     """(actions, loop rounds) the executor runs for `plan`: a rolled loop runs its body
     every round, actions outside the schedule's micro-batches skipped at a cost; unrolled
     (stages on several hosts), each action once.
+
+    Kept per schedule: rolling one takes up to a second, and a search scores every
+    split of a model under the same schedule.
 
     Example:
         >>> executed_actions(build_schedule("1f1b", 2, 4))
