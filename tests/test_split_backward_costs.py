@@ -15,15 +15,9 @@ import tensorflow as tf
 from tfmulti.costing.split_backward import SplitShares, split_backward_shares
 from tfmulti.pipeline import CostModel, StageCost, build_schedule, simulate
 from tfmulti.pipeline.balance import Block, balance, stage_cost
-from tfmulti.planner.costs import (
-    AffineTime,
-    BlockCost,
-    Hardware,
-    ModelCosts,
-    blocks_at,
-    load_costs,
-    save_costs,
-)
+from tfmulti.planner.costs import AffineTime, BlockCost, Hardware, ModelCosts, blocks_at
+from tfmulti.planner.costs import load_costs as load_cost_file
+from tfmulti.planner.costs import save_costs as save_cost_file
 from tfmulti.planner.measure import mean_shares, measure_model_costs
 from tfmulti.planner.scoring import score_layout
 from tfmulti.platform.mesh import HybridMesh
@@ -92,8 +86,8 @@ def test_block_shares_turn_into_i_and_w_times_with_the_tensor_allreduce_in_i():
 def test_cost_file_keeps_the_shares_and_an_older_file_loads_without_them(tmp_path):
     costs = _model([_cost("a", 1.1, 0.35), _cost("b", 0.0, 1.0)])
     path = str(tmp_path / "costs.json")
-    save_costs(costs, path)
-    assert load_costs(path) == costs
+    save_cost_file(costs, path)
+    assert load_cost_file(path) == costs
     data = json.loads(open(path).read())
     for block in data["blocks"]:
         del block["input_grad_share"], block["weight_grad_share"]
