@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmulti.costing.split_backward import SplitShares, split_backward_shares
 from tfmulti.pipeline import CostModel, StageCost, build_schedule, simulate
 from tfmulti.pipeline.balance import Block, balance, stage_cost
 from tfmulti.planner.costs import AffineTime, BlockCost, Hardware, ModelCosts, blocks_at
@@ -20,6 +19,7 @@ from tfmulti.planner.costs import load_costs as load_cost_file
 from tfmulti.planner.costs import save_costs as save_cost_file
 from tfmulti.planner.measure import mean_shares, measure_model_costs
 from tfmulti.planner.scoring import score_layout
+from tfmulti.planner.split_backward import SplitShares, split_backward_shares
 from tfmulti.platform.mesh import HybridMesh
 
 
@@ -132,7 +132,7 @@ def test_pieces_with_nothing_to_compute_have_no_share():
 def test_blocks_of_one_signature_are_measured_once(monkeypatch):
     calls = []
     monkeypatch.setattr(
-        "tfmulti.costing.split_backward.split_backward_shares",
+        "tfmulti.planner.split_backward.split_backward_shares",
         lambda block, inputs, rounds: calls.append(block) or (0.9, 0.4),
     )
     shares = SplitShares()

@@ -143,8 +143,8 @@ def _blocks_split_shares(blocks, samples) -> list[tuple[float, float]]:
     import tensorflow as tf
 
     from tfmulti.costing.cost_cache import block_signature
-    from tfmulti.costing.split_backward import SplitShares
     from tfmulti.pipeline.stages.block_partition import fresh_copy
+    from tfmulti.planner.split_backward import SplitShares
 
     measured = SplitShares()
     per_sample = []
@@ -298,7 +298,8 @@ def measure_user_model_costs(
         >>> costs = measure_user_model_costs("my_models:small_cnn", "my_models:arrays")
     """
     from tfmulti.costing.model_graph import call_graph, functional_view
-    from tfmulti.pipeline.stages.graph_partition import call_blocks, call_split_shares
+    from tfmulti.pipeline.stages.graph_partition import call_blocks, measure_calls
+    from tfmulti.planner.split_backward import SplitShares
 
     if not is_function_reference(model):
         raise ValueError(f"model must be package.module:function. Received: model={model!r}")
@@ -316,7 +317,9 @@ def measure_user_model_costs(
     view = functional_view(function(**model_options))
     graph = call_graph(view, open_nested=True)
     measured = [call_blocks(view, graph, examples[:size]) for size in batch_sizes]
-    shares = mean_shares([call_split_shares(view, graph, examples[:size]) for size in batch_sizes])
+    shares = mean_shares(
+        [measure_calls(view, graph, examples[:size], SplitShares().of) for size in batch_sizes]
+    )
     seen, costs = set(), []
     for index, node in enumerate(graph.nodes):
         first_call = id(node.operation) not in seen

@@ -159,22 +159,17 @@ def call_blocks(
     ]
 
 
-def call_split_shares(
-    model: keras.Model, graph: CallGraph, sample_input
-) -> list[tuple[float, float]]:
-    """Each call's split-backward shares (I / B, W / B) on `sample_input`
-    (`split_backward.split_backward_shares`); calls that cost the same are measured once.
-    Every variable is restored afterwards.
+def measure_calls(model: keras.Model, graph: CallGraph, sample_input, measure) -> list:
+    """`measure(call, call.tensors, call_signature(call))` for each call of `model` on
+    `sample_input`, in node order (`call_signature` is None for calls that cannot be
+    compared). Every variable is restored afterwards.
 
     Example:
-        >>> shares = call_split_shares(model, call_graph(model, True), x[:16])
+        >>> shares = measure_calls(model, call_graph(model, True), x[:16], SplitShares().of)
     """
-    from tfmulti.costing.split_backward import SplitShares
-
-    measured = SplitShares()
     with variables_restored(model):
         calls = _record_calls(model, graph, sample_input)
-        return [measured.of(call, call.tensors, call_signature(call)) for call in calls]
+        return [measure(call, call.tensors, call_signature(call)) for call in calls]
 
 
 def _call_seconds(graph, calls, cache) -> list[tuple[float, float]]:
