@@ -69,6 +69,11 @@ def test_user_model_is_costed_call_by_call_as_from_model_cuts_it(user_plan):
     hidden = costs["blocks"][1]
     assert hidden["params"] == 64 * 16 + 16 and hidden["variables"] == 2
     assert hidden["forward_seconds"]["per_example"] >= 0
+    # Each call's split backward is measured on the executor's cut functions: the first
+    # call (a Flatten of float inputs) has no weights, so its W computes nothing.
+    flatten = costs["blocks"][0]
+    assert flatten["weight_grad_share"] == 0.0 and flatten["input_grad_share"] >= 0.0
+    assert hidden["input_grad_share"] >= 0.0 and hidden["weight_grad_share"] >= 0.0
 
 
 def test_user_model_layouts_have_no_tensor_axis_and_cut_at_named_calls(user_plan):
