@@ -143,7 +143,7 @@ def test_the_executors_replica_terms_leave_out_what_the_cost_model_adds_itself(m
     devices = [device.name for device in tf.config.list_logical_devices("CPU")][:4]
     built = []
 
-    def step_seconds(runs, spreads):
+    def step_seconds(runs, spreads, builds=1):
         for build, x, _ in runs:
             model = build()
             assert isinstance(model, HybridPipelineModel) and len(x) % len(model.replicas) == 0
@@ -161,6 +161,85 @@ def test_the_executors_replica_terms_leave_out_what_the_cost_model_adds_itself(m
     # Less the small model's 4 variables, 3 more copies' 2 actions, one all-reduce.
     expected = 0.002 - 4 * per_variable - (3 * 2 * 1e-4 + 4e-4) / 4
     assert per_copy == pytest.approx(expected)
+
+
+def test_each_benchmark_counts_its_fastest_builds_median_step(monkeypatch):
+    """Three builds of two models, interleaved: each model's fastest build's median counts,
+    and that build's spread, whichever build it was."""
+    from tfmulti.planner import machine_benchmarks
+
+    # Per build, (median, spread) of the two runs: run 0 fastest in build 2, run 1 in build 0.
+    timed = iter([[(3.0, 0.1), (1.0, 0.2)], [(4.0, 0.3), (2.0, 0.4)], [(2.0, 0.5), (5.0, 0.6)]])
+    monkeypatch.setattr(machine_benchmarks, "_timed_build", lambda runs, rounds: next(timed))
+    spreads = []
+    medians = machine_benchmarks.interleaved_step_seconds(["a", "b"], spreads, builds=3)
+    assert medians == [2.0, 1.0] and spreads == [0.5, 0.2]
+    with pytest.raises(StopIteration):
+        next(timed)
+
+
+def test_benchmark_steps_run_a_training_runs_callbacks_within_the_context(tmp_path):
+    """Each build of each model gets fresh callbacks from the factory, which see every
+    step; outside the context no callback but the clock runs."""
+    import keras
+
+    from tfmulti.planner import machine_benchmarks
+    from tfmulti.run.callbacks import ThroughputLogger
+    from tfmulti.run.training import timing_callbacks
+
+    made, steps = [], []
+
+    class CountSteps(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            steps.append(batch)
+
+    def make_callbacks():
+        callbacks = [*timing_callbacks(str(tmp_path)), CountSteps()]
+        made.append(callbacks)
+        return callbacks
+
+    def build():
+        model = machine_benchmarks._tiny_model(1)
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    data = np.ones((4, 8), "float32")
+    with machine_benchmarks.timed_with_callbacks(make_callbacks):
+        machine_benchmarks.interleaved_step_seconds([(build, data, data)], [], rounds=2, builds=2)
+    per_build = machine_benchmarks._WARMUP_STEPS + 2 * (machine_benchmarks._STEPS // 2 + 1)
+    assert len(made) == 2 and len(steps) == 2 * per_build
+    loggers = [c for c in made[0] if isinstance(c, ThroughputLogger)]
+    assert len(loggers) == 1 and loggers[0].log_steps == 1
+    assert len(list(tmp_path.iterdir())) == 2  # one scratch directory per build
+    machine_benchmarks.interleaved_step_seconds([(build, data, data)], [])
+    assert len(made) == 2 and len(steps) == 2 * per_build
+
+
+def test_the_executors_terms_come_from_three_interleaved_runs(monkeypatch):
+    """Fixed, per action and per round from 1F1B over two stages at m = 2 and m = 8 action
+    by action, and m = 8 rolled, timed together and less a one-device step."""
+    import tensorflow as tf
+
+    from tfmulti.pipeline.runtime import PipelineModel
+    from tfmulti.planner import machine_benchmarks
+
+    calls = []
+    actions, rounds = executed_actions(build_schedule("1f1b", 2, 8))
+
+    def step_seconds(runs, spreads, builds=1):
+        calls.append(builds)
+        built = [build() for build, _, _ in runs]
+        assert all(isinstance(model, PipelineModel) for model in built)
+        assert [len(x) for _, x, _ in runs] == [4, 16, 16]
+        # One-device step 8 ms; executor 2 ms, 0.1 ms per action, 0.05 ms per round.
+        return [0.010 + 8 * 1e-4, 0.010 + 32 * 1e-4, 0.010 + actions * 1e-4 + rounds * 5e-5]
+
+    monkeypatch.setattr(machine_benchmarks, "interleaved_step_seconds", step_seconds)
+    devices = [device.name for device in tf.config.list_logical_devices("CPU")][:2]
+    fixed, per_action, per_round = machine_benchmarks._executor_seconds(devices, 0.008, [])
+    assert calls == [machine_benchmarks._BUILDS]
+    assert per_action == pytest.approx(1e-4) and fixed == pytest.approx(0.002)
+    assert per_round == pytest.approx(5e-5)
 
 
 def test_pipeline_step_pays_the_executor_per_action_and_per_round():
@@ -312,9 +391,19 @@ def test_machine_costs_are_measured_once_then_read_from_the_cost_cache(tmp_path,
     assert machine_benchmarks.machine_costs(devices, CostCache(path)) == MACHINE
     assert len(calls) == 1
     with open(path) as file:
-        assert json.load(file)["machine"]["devices=4"] == MACHINE.to_json()
+        assert json.load(file)["machine"]["devices=4,timing=2"] == MACHINE.to_json()
     machine_benchmarks.machine_costs(devices, CostCache(path), remeasure=True)
     assert len(calls) == 2
+    # Timed with a training run's callbacks, the costs are another entry, measured anew.
+    with machine_benchmarks.timed_with_callbacks(list):
+        machine_benchmarks.machine_costs(devices, CostCache(path))
+        machine_benchmarks.machine_costs(devices, CostCache(path))
+    assert len(calls) == 3
+    with open(path) as file:
+        assert set(json.load(file)["machine"]) == {
+            "devices=4,timing=2",
+            "devices=4,timing=2,callbacks",
+        }
 
 
 def test_allreduce_and_device_overlap_are_measured_on_logical_devices():

@@ -331,10 +331,24 @@ def _devices_description() -> str:
     )
 
 
+def _measured_costs():
+    """(machine costs, model costs): read, or measured with the callbacks a training run
+    adds to every step (so each predicted step includes them)."""
+    if FLAGS.machine_costs == "none" and FLAGS.costs:
+        return None, load_costs(FLAGS.costs)
+    _start_tensorflow()
+    from tfmulti.planner.machine_benchmarks import timed_with_callbacks
+    from tfmulti.run.training import timing_callbacks
+
+    with tempfile.TemporaryDirectory() as scratch:
+        with timed_with_callbacks(lambda: timing_callbacks(scratch)):
+            machine = _machine_costs()
+            return machine, _model_costs(machine)
+
+
 def _plan(argv: list[str]) -> None:
     del argv
-    machine = _machine_costs()
-    costs = _model_costs(machine)
+    machine, costs = _measured_costs()
     hardware = Hardware(
         bandwidth=FLAGS.bandwidth,
         bytes_per_param=FLAGS.bytes_per_param,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 import time
 
 import keras
@@ -12,7 +13,7 @@ from absl import logging
 
 from tfmulti import data as data_lib
 from tfmulti.compat import tf_profiler
-from tfmulti.config import TrainConfig
+from tfmulti.config import RunConfig, TrainConfig
 from tfmulti.errors import IncompatibleCheckpoint, Preempted, TrainingError
 from tfmulti.models import registry
 from tfmulti.names import RESTART_COUNT_VARIABLE, SLURM_RESTART_COUNT_VARIABLE
@@ -141,6 +142,22 @@ def standard_callbacks(
     # Last: a preemption at an epoch's end waits for every record of that epoch.
     callbacks.append(SaveOnPreemption(step_checkpoint, cluster_resolver))
     return callbacks, nan_guard
+
+
+def timing_callbacks(scratch_dir: str) -> list[keras.callbacks.Callback]:
+    """The callbacks `standard_callbacks` gives a fresh run that logs every step (as a
+    planner's `--validate` run does), writing into a new directory under `scratch_dir`.
+
+    The planner times its benchmarks and a model's one-device step with them
+    (`machine_benchmarks.timed_with_callbacks`), so what they add to each step is in its
+    predictions.
+    """
+    output_dir = tempfile.mkdtemp(dir=scratch_dir)
+    config = TrainConfig(run=RunConfig(model_dir=output_dir, log_steps=1))
+    callbacks, _ = standard_callbacks(
+        config, output_dir, RunRecord(output_dir, {}), steps_per_epoch=1000
+    )
+    return callbacks
 
 
 def _profile_callbacks(config: TrainConfig, cluster: ClusterInfo | None) -> list:
