@@ -9,11 +9,14 @@ data-parallel copies of it (per copy, per copy and variable), an
 all-reduce of two sizes (latency, bandwidth), the same matrix products on one and
 on n logical devices at once (how much of their work serialises), and two chains of them
 on one device at once (how much an overlapped pair's halves overlap). Every figure is the
-median of repeated steps, so a burst of load from other processes moves it little; the
-interquartile range over the median is kept as the terms' uncertainty.
+median of repeated steps, so a burst of load from other processes moves it little, and
+each benchmark model's fastest of `_BUILDS` builds counts; the interquartile range over
+the median is kept as the terms' uncertainty. Within `timed_with_callbacks` the steps run
+a training run's callbacks, so what those add to a step is part of the terms.
 
 The numbers go into the cost cache beside the block costs (`CostCache.put_machine`),
-keyed by the device count, so a later plan on the same machine measures nothing.
+keyed by the device count and how they were timed (`machine_key`), so a later plan on the
+same machine measures nothing.
 """
 
 from __future__ import annotations
@@ -150,6 +153,18 @@ def timed_with_callbacks(make_callbacks: Callable[[], list]) -> Iterator[None]:
         _STEP_CALLBACKS.reset(token)
 
 
+@contextlib.contextmanager
+def _info_logs_off() -> Iterator[None]:
+    """Leaves out what a timed `fit`'s callbacks log at INFO (a training run's throughput
+    lines): the benchmarks' epochs are not the user's."""
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+
+
 def _median_and_spread(samples: list[float], spreads: list[float]) -> float:
     quartiles = statistics.quantiles(samples, n=4)
     median = statistics.median(samples)
@@ -212,19 +227,21 @@ def _timed_build(runs, rounds: int) -> list[tuple[float, float]]:
         model = build()
         data = tf.data.Dataset.from_tensor_slices((x, y)).batch(len(x)).repeat()
         callbacks = make_callbacks()
-        model.fit(data, steps_per_epoch=_WARMUP_STEPS, epochs=1, verbose=0, callbacks=callbacks)
+        with _info_logs_off():
+            model.fit(data, steps_per_epoch=_WARMUP_STEPS, epochs=1, verbose=0, callbacks=callbacks)
         models.append((model, data, callbacks))
     samples = [[] for _ in runs]
     for _ in range(rounds):
         for index, (model, data, callbacks) in enumerate(models):
             clock = _StepClock()
-            model.fit(
-                data,
-                steps_per_epoch=_STEPS // rounds + 1,
-                epochs=1,
-                verbose=0,
-                callbacks=[*callbacks, clock],
-            )
+            with _info_logs_off():
+                model.fit(
+                    data,
+                    steps_per_epoch=_STEPS // rounds + 1,
+                    epochs=1,
+                    verbose=0,
+                    callbacks=[*callbacks, clock],
+                )
             samples[index].extend(clock.intervals())
     spreads = []
     medians = [_median_and_spread(times, spreads) for times in samples]

@@ -145,19 +145,25 @@ def standard_callbacks(
 
 
 def timing_callbacks(scratch_dir: str) -> list[keras.callbacks.Callback]:
-    """The callbacks `standard_callbacks` gives a fresh run that logs every step (as a
-    planner's `--validate` run does), writing into a new directory under `scratch_dir`.
+    """The callbacks `standard_callbacks` gives a fresh run with the default flags, writing
+    into a new directory under `scratch_dir`, less the checkpoints: with the default flags
+    they save between epochs only, not in a step, and a benchmark model may not be built
+    enough to save.
 
     The planner times its benchmarks and a model's one-device step with them
     (`machine_benchmarks.timed_with_callbacks`), so what they add to each step is in its
     predictions.
     """
     output_dir = tempfile.mkdtemp(dir=scratch_dir)
-    config = TrainConfig(run=RunConfig(model_dir=output_dir, log_steps=1))
+    config = TrainConfig(run=RunConfig(model_dir=output_dir))
     callbacks, _ = standard_callbacks(
         config, output_dir, RunRecord(output_dir, {}), steps_per_epoch=1000
     )
-    return callbacks
+    return [
+        callback
+        for callback in callbacks
+        if not isinstance(callback, (EpochCheckpoint, StepCheckpoint))
+    ]
 
 
 def _profile_callbacks(config: TrainConfig, cluster: ClusterInfo | None) -> list:
