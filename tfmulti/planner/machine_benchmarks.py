@@ -143,7 +143,7 @@ def timed_with_callbacks(make_callbacks: Callable[[], list]) -> Iterator[None]:
     add to each step is part of what a run of `scripts/train.py` pays.
 
     Example:
-        >>> with timed_with_callbacks(lambda: training_callbacks(scratch)):
+        >>> with timed_with_callbacks(lambda: timing_callbacks(scratch)):
         ...     costs = machine_costs(devices)
     """
     token = _STEP_CALLBACKS.set(make_callbacks)
