@@ -160,3 +160,50 @@ def test_a_job_slurm_requeued_resumes_by_itself_and_a_first_start_does_not(
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Resuming at epoch 3, step 0" in result.stderr
     assert [epoch["epoch"] for epoch in read_metrics(model_dir)["epochs"]] == [1, 2, 3]
+
+
+def test_a_run_killed_between_its_last_record_and_checkpoint_trains_that_epoch_again(
+    tmp_path, finished_run, user_env
+):
+    """Each epoch is recorded before it is checkpointed, so a kill between the two leaves
+    the record of an epoch whose checkpoint is missing: the resume starts from the epoch
+    before, records the epoch again in its place, and ends as the uninterrupted run."""
+    model_dir = _copy(finished_run("synthetic"), tmp_path)
+    finished = read_metrics(model_dir)
+    backup = os.path.join(model_dir, "backup")
+    for name in ("step-000000010.json", "step-000000010.weights.h5"):
+        os.remove(os.path.join(backup, name))
+    with open(os.path.join(backup, "latest.json"), "w") as handle:
+        json.dump({"state": "step-000000005.json"}, handle)
+    os.remove(os.path.join(model_dir, "checkpoints", "epoch-002.weights.h5"))
+    with open(os.path.join(model_dir, "checkpoints", "latest.json"), "w") as handle:
+        json.dump({"epoch": 1, "weights": "epoch-001.weights.h5"}, handle)
+    metrics = dict(finished, status="running", final={})
+    with open(os.path.join(model_dir, "metrics.json"), "w") as handle:
+        json.dump(metrics, handle)
+
+    result = _resume(model_dir, "synthetic", user_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Resuming at epoch 2, step 0" in result.stderr
+    resumed = read_metrics(model_dir)
+    assert resumed["status"] == "completed"
+    assert [epoch["epoch"] for epoch in resumed["epochs"]] == [1, 2]
+    assert [epoch["loss"] for epoch in resumed["epochs"]] == pytest.approx(
+        [epoch["loss"] for epoch in finished["epochs"]], rel=1e-6
+    )
+
+
+def test_every_epoch_is_recorded_before_it_is_checkpointed(tmp_path):
+    """Keras ends an epoch callback by callback in list order: the record comes first."""
+    from tfmulti.config import RunConfig, TrainConfig
+    from tfmulti.run.epoch_checkpoint import EpochCheckpoint
+    from tfmulti.run.run_record import RecordEpochs, RunRecord
+    from tfmulti.run.step_checkpoint import StepCheckpoint
+    from tfmulti.run.training import standard_callbacks
+
+    directory = str(tmp_path)
+    config = TrainConfig(run=RunConfig(model_dir=directory))
+    callbacks, _ = standard_callbacks(config, directory, RunRecord(directory, {}), 10)
+    kinds = [type(callback) for callback in callbacks]
+    record = kinds.index(RecordEpochs)
+    assert record < kinds.index(StepCheckpoint) and record < kinds.index(EpochCheckpoint)

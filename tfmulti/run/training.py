@@ -125,10 +125,12 @@ def standard_callbacks(
             log_dir=os.path.join(logs_dir, "train"),
         ),
         RecordFirstStep(record),
-        step_checkpoint,
-        EpochCheckpoint(os.path.join(output_dir, "checkpoints"), keep=config.run.keep_checkpoints),
         *user_callbacks,
         RecordEpochs(record),
+        # After the epoch's record: a run killed between the two redoes the record on
+        # resume (from the previous checkpoint) instead of resuming past a missing one.
+        step_checkpoint,
+        EpochCheckpoint(os.path.join(output_dir, "checkpoints"), keep=config.run.keep_checkpoints),
         _batch_hooks_idle(
             keras.callbacks.TensorBoard(os.path.join(config.run.model_dir, "logs"), profile_batch=0)
         ),
