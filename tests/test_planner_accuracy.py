@@ -15,6 +15,7 @@ from tfmulti.planner.accuracy import (
     best_gap,
     kendall_tau,
     mean_absolute_percentage_error,
+    repeat_error,
 )
 from tfmulti.planner.machine import MachineCosts, step_uncertainty
 from tfmulti.planner.scoring import executed_actions, score_layout
@@ -47,6 +48,19 @@ def test_kendall_tau_without_scipy_matches_tau_b_with_ties():
 def test_best_gap_is_how_much_slower_the_predicted_best_measured():
     assert best_gap([1.0, 2.0, 3.0], [110.0, 100.0, 120.0]) == pytest.approx(0.1)
     assert best_gap([3.0, 1.0], [50.0, 40.0]) == 0.0
+
+
+def test_repeat_error_scores_each_layouts_counted_run_against_its_other_runs():
+    # Layout 1: counted 0.10 against 0.30 -> 0.2/0.3; layout 2: 0.05 against 0.07 and
+    # 0.05 -> 0.02/0.07 and 0; layout 3 ran once and adds nothing.
+    runs = [[0.30, 0.10], [0.05, 0.07, 0.05], [0.2]]
+    assert repeat_error(runs) == pytest.approx((0.2 / 0.3 + 0.02 / 0.07 + 0.0) / 3)
+    assert repeat_error([[0.2], [0.3]]) is None
+    figures = accuracy([0.1, 0.05, 0.2], [0.10, 0.05, 0.2], runs)
+    assert figures.mape == 0.0 and figures.repeat_error == pytest.approx(repeat_error(runs))
+    assert "runs of one layout differ by 31.7% (MAPE)" in figures.summary()
+    with pytest.raises(ValueError, match="> 0"):
+        repeat_error([[0.1, 0.0]])
 
 
 def test_accuracy_needs_one_positive_measurement_per_prediction():
@@ -501,6 +515,9 @@ def test_validate_json_reports_mape_kendall_tau_and_best_gap(tmp_path):
         validated["measured_step_time"] / validated["step_time"]
     )
     assert output["best_gap"] == 0.0
+    # One run per layout: its run is listed, and there is no second run to compare with.
+    assert validated["measured_runs"] == [validated["measured_step_time"]]
+    assert output["repeat_error"] is None
 
 
 def test_blocks_are_scaled_to_add_up_to_the_measured_one_device_step():
@@ -534,6 +551,7 @@ def test_a_layouts_fastest_run_counts_so_a_slow_spell_over_one_run_does_not(monk
     two rounds, each layout's measured step is its faster run's median, not the median of
     every step (which a slow run would drag halfway up)."""
     from tfmulti.planner import validation
+    from tfmulti.planner.report import format_validation, validation_accuracy
 
     runs = iter(
         [
@@ -548,6 +566,11 @@ def test_a_layouts_fastest_run_counts_so_a_slow_spell_over_one_run_does_not(monk
     measured = validation.measure_layouts(layouts, _costs(), 8, "/nonexistent", repeats=2)
     assert [m.measured_step_time for m in measured] == [0.10, 0.05]
     assert len(measured[0].samples) == 6
+    assert [m.run_step_times for m in measured] == [(0.30, 0.10), (0.05, 0.07)]
+    figures = validation_accuracy(measured)
+    assert figures.repeat_error == pytest.approx((0.2 / 0.3 + 0.02 / 0.07) / 2)
+    table = format_validation(measured)
+    assert "+200%" in table and "+40%" in table and "slowest run" in table
 
 
 def test_every_benchmark_runs_with_a_training_runs_callbacks(tmp_path, monkeypatch):

@@ -415,6 +415,7 @@ def _plan(argv: list[str]) -> None:
                     "measured_over_predicted": (
                         m.measured_step_time / m.layout.step_time if m.measured_step_time else None
                     ),
+                    "measured_runs": list(m.run_step_times),
                     "error": m.error,
                 }
                 for m in measurements

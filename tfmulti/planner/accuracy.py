@@ -7,6 +7,10 @@ Pure Python. Three figures judge a planner over the layouts it ran:
   order, -1: reversed), through `scipy.stats.kendalltau` when SciPy is installed.
 - `best_gap`: how much slower the predicted best measured than the fastest measured,
   as a fraction of the fastest (0: the planner's first choice was the fastest).
+
+Beside them, `repeat_error` is the measurement's own noise: the MAPE each layout's counted
+run scores against the layout's other runs, as if it were the prediction. No predictor can
+be held to a MAPE below it.
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ class Accuracy:
         mape: mean absolute percentage error, as a fraction (0.1 = 10%).
         kendall_tau: rank correlation of predicted and measured times (None below 2).
         best_gap: measured time of the predicted best over the fastest measured, minus 1.
+        repeat_error: `repeat_error` of the layouts' runs (None: no layout ran twice).
     """
 
     count: int
     mape: float
     kendall_tau: float | None
     best_gap: float
+    repeat_error: float | None = None
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -38,9 +44,12 @@ class Accuracy:
     def summary(self) -> str:
         """One line: 'MAPE 7.2%, Kendall tau 0.79, predicted best 1.3% slower than ...'."""
         tau = "-" if self.kendall_tau is None else f"{self.kendall_tau:.2f}"
+        noise = ""
+        if self.repeat_error is not None:
+            noise = f"; runs of one layout differ by {100 * self.repeat_error:.1f}% (MAPE)"
         return (
             f"{self.count} layouts: MAPE {100 * self.mape:.1f}%, Kendall tau {tau}, "
-            f"predicted best {100 * self.best_gap:.1f}% slower than the fastest measured"
+            f"predicted best {100 * self.best_gap:.1f}% slower than the fastest measured{noise}"
         )
 
 
@@ -113,11 +122,37 @@ def best_gap(predicted: Sequence[float], measured: Sequence[float]) -> float:
     return measured[chosen] / min(measured) - 1.0
 
 
-def accuracy(predicted: Sequence[float], measured: Sequence[float]) -> Accuracy:
-    """All three figures for layouts predicted at `predicted` that measured `measured`."""
+def repeat_error(runs: Sequence[Sequence[float]]) -> float | None:
+    """The MAPE each layout's fastest run (the one counted) scores against its other runs;
+    `runs` holds each layout's run times. None when no layout ran twice.
+
+    Example:
+        >>> repeat_error([[100.0, 125.0], [50.0, 40.0], [70.0]])
+        0.2
+    """
+    counted, others = [], []
+    for times in runs:
+        if min(times, default=1.0) <= 0:
+            raise ValueError(f"Run times must be > 0. Received: {list(times)}")
+        fastest = sorted(times)
+        counted += fastest[:1] * (len(times) - 1)
+        others += fastest[1:]
+    if not others:
+        return None
+    return mean_absolute_percentage_error(counted, others)
+
+
+def accuracy(
+    predicted: Sequence[float],
+    measured: Sequence[float],
+    runs: Sequence[Sequence[float]] = (),
+) -> Accuracy:
+    """All three figures for layouts predicted at `predicted` that measured `measured`,
+    and with each layout's `runs`, their `repeat_error`."""
     return Accuracy(
         count=len(measured),
         mape=mean_absolute_percentage_error(predicted, measured),
         kendall_tau=kendall_tau(predicted, measured),
         best_gap=best_gap(predicted, measured),
+        repeat_error=repeat_error(runs),
     )

@@ -96,11 +96,23 @@ def layout_json(layout: Layout, costs: ModelCosts, global_batch: int) -> dict:
 
 
 def validation_accuracy(measurements: Sequence[Measurement]) -> Accuracy | None:
-    """MAPE, Kendall tau and best gap over the layouts that ran, or None if none did."""
+    """MAPE, Kendall tau, best gap and the runs' own repeat error over the layouts that
+    ran, or None if none did."""
     ran = [m for m in measurements if m.measured_step_time is not None]
     if not ran:
         return None
-    return accuracy([m.layout.step_time for m in ran], [m.measured_step_time for m in ran])
+    return accuracy(
+        [m.layout.step_time for m in ran],
+        [m.measured_step_time for m in ran],
+        [m.run_step_times for m in ran],
+    )
+
+
+def _run_spread(run_step_times: Sequence[float]) -> str:
+    """How much slower a layout's slowest run was than its fastest: '+12%', or '-'."""
+    if len(run_step_times) < 2:
+        return "-"
+    return f"+{100 * (max(run_step_times) / min(run_step_times) - 1):.0f}%"
 
 
 def format_validation(measurements: Sequence[Measurement]) -> str:
@@ -114,6 +126,7 @@ def format_validation(measurements: Sequence[Measurement]) -> str:
                 *predicted[:7],
                 f"{1000 * measured:.2f}" if measured is not None else "failed",
                 f"{measured / measurement.layout.step_time:.2f}" if measured else "-",
+                _run_spread(measurement.run_step_times),
             )
         )
     columns = (
@@ -126,6 +139,7 @@ def format_validation(measurements: Sequence[Measurement]) -> str:
         "predicted ms",
         "measured ms",
         "measured/predicted",
+        "slowest run",
     )
     if any(m.layout.hosts > 1 for m in measurements):
         rows = [(*row, hosts_cell(m.layout)) for row, m in zip(rows, measurements, strict=True)]

@@ -52,6 +52,7 @@ class Measurement:
         measured_step_time: the fastest run's median step, or None if a run failed.
         samples: seconds of each timed step of every run.
         error: the failed run's last line of output, else None.
+        run_step_times: each run's median step, in the order they ran.
     """
 
     layout: Layout
@@ -59,6 +60,7 @@ class Measurement:
     measured_step_time: float | None
     samples: tuple[float, ...] = ()
     error: str | None = None
+    run_step_times: tuple[float, ...] = ()
 
 
 def distinct_layouts(layouts: Sequence[Layout], count: int) -> list[Layout]:
@@ -208,6 +210,7 @@ def measure_layouts(
             min(map(statistics.median, runs[rank])) if rank not in errors else None,
             tuple(step for run in runs[rank] for step in run),
             errors.get(rank),
+            tuple(map(statistics.median, runs[rank])),
         )
         for rank, layout in enumerate(layouts)
     ]
