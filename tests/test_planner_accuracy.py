@@ -8,7 +8,15 @@ import pytest
 from script_runner import run_script
 
 from tfmulti.pipeline.schedules import build_schedule
-from tfmulti.planner import AffineTime, BlockCost, Hardware, ModelCosts, blocks_at, save_costs
+from tfmulti.planner import (
+    AffineTime,
+    BlockCost,
+    Hardware,
+    ModelCosts,
+    blocks_at,
+    load_costs,
+    save_costs,
+)
 from tfmulti.planner.accuracy import (
     _kendall_tau_b,
     accuracy,
@@ -571,6 +579,83 @@ def test_a_layouts_fastest_run_counts_so_a_slow_spell_over_one_run_does_not(monk
     assert figures.repeat_error == pytest.approx((0.2 / 0.3 + 0.02 / 0.07) / 2)
     table = format_validation(measured)
     assert "+200%" in table and "+40%" in table and "slowest run" in table
+
+
+def test_one_device_steps_run_train_py_at_each_size_in_rounds_and_keep_the_fastest(
+    monkeypatch,
+):
+    from tfmulti.planner import validation
+
+    commands = []
+    # Round 1: batch 4, batch 32; round 2: batch 4, batch 32 (each run's step times).
+    runs = iter([[0.03, 0.02, 0.03], [0.09], [0.01, 0.02, 0.02], [0.08, 0.08, 0.10]])
+
+    def run_layout(command, *args):
+        commands.append(command)
+        return next(runs), None
+
+    monkeypatch.setattr(validation, "_run_layout", run_layout)
+    costs = ModelCosts("mlp", {}, "digits", None, (), measured_batch_sizes=(4, 32))
+    steps = validation.one_device_steps(costs, [4, 32], "/nonexistent", repeats=2)
+    assert steps == [0.02, 0.08]
+    sizes = [[a for a in command if a.startswith("--batch_size=")] for command in commands]
+    assert sizes == [["--batch_size=4"], ["--batch_size=32"]] * 2
+    assert all("--strategy=one_device" in command for command in commands)
+    monkeypatch.setattr(validation, "_run_layout", lambda *args: (None, "Killed"))
+    with pytest.raises(ValueError, match="at batch 4: Killed .*--anchor_repeats=0"):
+        validation.one_device_steps(costs, [4, 32], "/nonexistent")
+
+
+def test_anchored_blocks_add_up_to_the_given_steps_less_the_framework():
+    from tfmulti.planner.measure import anchored_to_steps
+
+    costs = dataclasses.replace(_costs(), measured_batch_sizes=(4, 32))
+    anchored = anchored_to_steps(costs, [0.010, 0.024], step_framework=0.002)
+    for size, step in [(4, 0.010), (32, 0.024), (16, 0.016)]:
+        blocks = anchored.blocks
+        total = sum(b.forward_seconds.at(size) + b.backward_seconds.at(size) for b in blocks)
+        assert total + 0.002 == pytest.approx(step)
+    assert anchored.anchor_steps == (0.010, 0.024)
+    assert ModelCosts.from_json(json.loads(json.dumps(anchored.to_json()))) == anchored
+    with pytest.raises(ValueError, match="one step per measured batch size"):
+        anchored_to_steps(costs, [0.01], 0.0)
+
+
+def test_plan_scales_the_measured_blocks_to_train_py_one_device_steps(tmp_path):
+    """plan.py with machine costs (read from the cache) times train.py on one device at
+    each measured batch size, and its saved blocks add up to those steps."""
+    from tfmulti.costing.cost_cache import CostCache
+    from tfmulti.planner.machine_benchmarks import machine_key, timed_with_callbacks
+
+    cache = CostCache(str(tmp_path / "cache.json"))
+    with timed_with_callbacks(list):
+        key = machine_key(2)
+    machine = MachineCosts(step_fixed=1e-4, num_devices=2, serial_fractions=(1.0, 0.6))
+    cache.put_machine(key, machine.to_json())
+    cache.save()
+    saved = tmp_path / "costs.json"
+    result = run_script(
+        "plan.py",
+        "--model=mlp",
+        "--dataset=digits",
+        "--devices=2",
+        "--global_batch=16",
+        "--measure_rounds=1",
+        "--anchor_repeats=1",
+        f"--cost_cache={tmp_path / 'cache.json'}",
+        f"--save_costs={saved}",
+        "--json",
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    costs = load_costs(str(saved))
+    assert costs.measured_batch_sizes == (2, 16) and len(costs.anchor_steps) == 2
+    assert json.loads(result.stdout)["model_anchor_steps"] == list(costs.anchor_steps)
+    line = AffineTime.fit(costs.measured_batch_sizes, costs.anchor_steps)
+    for size in costs.measured_batch_sizes:
+        blocks = costs.blocks
+        total = sum(b.forward_seconds.at(size) + b.backward_seconds.at(size) for b in blocks)
+        assert total + machine.step_fixed == pytest.approx(line.at(size))
 
 
 def test_every_benchmark_runs_with_a_training_runs_callbacks(tmp_path, monkeypatch):

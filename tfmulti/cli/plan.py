@@ -48,6 +48,7 @@ from tfmulti.planner.validation import (
     accepts_flags,
     distinct_layouts,
     measure_layouts,
+    one_device_steps,
 )
 from tfmulti.user_code import is_function_reference
 
@@ -154,6 +155,14 @@ flags.DEFINE_list(
     "Two batch sizes to time the blocks at (default: global_batch / 8 and global_batch).",
 )
 flags.DEFINE_integer("measure_rounds", 3, "Timing rounds per block; the fastest counts.", 1)
+flags.DEFINE_integer(
+    "anchor_repeats",
+    2,
+    "Runs of scripts/train.py's one-device step at each --measure_batch_sizes; the measured "
+    "blocks are scaled to add up to the fastest (0: to a step timed inside plan.py, which "
+    "can be off by a third).",
+    lower_bound=0,
+)
 flags.DEFINE_integer("top", 5, "Layouts to print.", lower_bound=1)
 flags.DEFINE_integer("max_microbatches", 32, "Largest micro-batch count tried.", lower_bound=1)
 flags.DEFINE_integer("max_chunks", 4, "Largest chunk count for interleaved_1f1b.", lower_bound=2)
@@ -292,9 +301,23 @@ def _model_costs(machine):
         costs = measure_model_costs(
             FLAGS.model, FLAGS.dataset, rounds=FLAGS.measure_rounds, **common
         )
+    if machine is not None and FLAGS.anchor_repeats:
+        costs = _anchored(costs, machine)
     if FLAGS.save_costs:
         save_costs(costs, FLAGS.save_costs)
     return costs
+
+
+def _anchored(costs, machine):
+    """`costs` with its blocks scaled to scripts/train.py's one-device steps."""
+    from tfmulti.planner.measure import anchored_to_steps
+
+    with tempfile.TemporaryDirectory(prefix="plan_anchor_") as work_dir:
+        seconds = one_device_steps(
+            costs, costs.measured_batch_sizes, work_dir, repeats=FLAGS.anchor_repeats
+        )
+    variables = sum(block.variables for block in costs.blocks)
+    return anchored_to_steps(costs, seconds, machine.step_seconds(variables))
 
 
 def _layouts_to_validate(layouts, costs):
@@ -423,6 +446,7 @@ def _plan(argv: list[str]) -> None:
             "machine_costs": hardware.machine.to_json() if hardware.machine else None,
             "model_serial_fraction": costs.serial_fraction,
             "model_serial_fractions": list(costs.serial_fractions),
+            "model_anchor_steps": list(costs.anchor_steps),
         }
         if figures is not None:
             output.update(figures.to_json())

@@ -128,6 +128,9 @@ class ModelCosts:
         serial_fractions: the same with k = 1..n devices at work at once
             (`machine_benchmarks.model_serial_fractions`), replacing the machine's; empty
             to keep those.
+        anchor_steps: `scripts/train.py`'s one-device step at each measured batch size,
+            the steps the blocks were scaled to (`measure.anchored_to_steps`); empty when
+            they were scaled to a step timed in the measuring process, or not at all.
     """
 
     model: str
@@ -140,6 +143,7 @@ class ModelCosts:
     timing_spread: float = 0.0
     serial_fraction: float | None = None
     serial_fractions: tuple[float, ...] = ()
+    anchor_steps: tuple[float, ...] = ()
 
     def to_json(self) -> dict:
         """The cost file's JSON object."""
@@ -180,6 +184,7 @@ class ModelCosts:
                 timing_spread=float(data.get("timing_spread", 0.0)),
                 serial_fraction=data.get("serial_fraction"),
                 serial_fractions=tuple(data.get("serial_fractions", ())),
+                anchor_steps=tuple(map(float, data.get("anchor_steps", ()))),
             )
         except (KeyError, TypeError) as error:
             raise ValueError(

@@ -219,6 +219,30 @@ def _model_serial_fractions(build, x, y, batch: int, devices: Sequence[str]) -> 
     return tuple(float(fraction) for fraction in fractions)
 
 
+def anchored_to_steps(
+    costs: ModelCosts, seconds: Sequence[float], step_framework: float
+) -> ModelCosts:
+    """`costs` with its blocks scaled to the one-device steps `seconds`, one per measured
+    batch size (`validation.one_device_steps`: scripts/train.py's), less the framework's
+    cost of a step.
+
+    Example:
+        >>> block = BlockCost("b", 1, AffineTime(2.0, 1.0), AffineTime(2.0, 1.0), 4.0)
+        >>> costs = ModelCosts("mlp", {}, "digits", None, (block,), measured_batch_sizes=(1, 3))
+        >>> anchored_to_steps(costs, [3.0, 5.0], 1.0).blocks[0].forward_seconds
+        AffineTime(fixed=0.5, per_example=0.5)
+    """
+    sizes = costs.measured_batch_sizes
+    if len(seconds) != len(sizes) or len(sizes) < 2:
+        raise ValueError(
+            "Need one step per measured batch size, at least two. Received: "
+            f"measured_batch_sizes={list(sizes)}, seconds={list(seconds)}"
+        )
+    step = AffineTime.fit(sizes, seconds)
+    blocks = tuple(scaled_to_step(costs.blocks, step, step_framework))
+    return dataclasses.replace(costs, blocks=blocks, anchor_steps=tuple(map(float, seconds)))
+
+
 def scaled_to_step(
     blocks: Sequence[BlockCost], step: AffineTime, step_framework: float
 ) -> list[BlockCost]:

@@ -31,6 +31,7 @@ from tfmulti.pipeline.schedules import build_schedule
 from tfmulti.planner.costs import ModelCosts
 from tfmulti.planner.scoring import Layout
 from tfmulti.planner.train_flags import launch_flags, train_flags
+from tfmulti.platform.mesh import HybridMesh
 
 _SCRIPTS = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -179,34 +180,20 @@ def measure_layouts(
         repeats: runs of each layout.
         timeout: seconds before a run counts as failed.
     """
-    if epochs < 2:
-        raise ValueError(
-            f"The first epoch includes tracing, so timing needs epochs >= 2. Received: {epochs}"
-        )
-    runs = {rank: [] for rank in range(len(layouts))}
-    errors = {}
-    for round_index in range(repeats):
-        for rank, layout in enumerate(layouts):
-            if rank in errors:
-                continue
-            model_dir = os.path.join(work_dir, f"layout_{rank + 1}_{round_index + 1}")
-            flags = train_flags(layout, costs, global_batch)
-            step_times, error = _run_layout(
-                training_command(
-                    layout, [*flags, *training_run_flags(epochs, steps_per_epoch, model_dir)]
-                ),
-                model_dir,
-                timeout,
-                steps_per_epoch,
-            )
-            if error is not None:
-                errors[rank] = error
-            else:
-                runs[rank].append(step_times)
+    flags = [train_flags(layout, costs, global_batch) for layout in layouts]
+    runs, errors = _timed_runs(
+        list(zip(layouts, flags, strict=True)),
+        work_dir,
+        "layout",
+        epochs=epochs,
+        steps_per_epoch=steps_per_epoch,
+        repeats=repeats,
+        timeout=timeout,
+    )
     return [
         Measurement(
             layout,
-            tuple(train_flags(layout, costs, global_batch)),
+            tuple(flags[rank]),
             min(map(statistics.median, runs[rank])) if rank not in errors else None,
             tuple(step for run in runs[rank] for step in run),
             errors.get(rank),
@@ -238,3 +225,81 @@ def _run_layout(
     with open(os.path.join(model_dir, "metrics.json")) as file:
         epochs = json.load(file)["epochs"][1:]
     return [min(epoch["step_time_ms"] for epoch in epochs) / 1000.0], None
+
+
+def one_device_steps(
+    costs: ModelCosts,
+    batch_sizes: Sequence[int],
+    work_dir: str,
+    *,
+    epochs: int = 3,
+    steps_per_epoch: int = 10,
+    repeats: int = 2,
+    timeout: float = 900,
+) -> list[float]:
+    """`scripts/train.py`'s one-device step of `costs.model` at each of `batch_sizes`, run
+    and timed as `measure_layouts` runs a layout (the sizes in turn, `repeats` rounds,
+    each size's fastest run counts).
+
+    A step measured inside another process can differ from train.py's by a third
+    (what else that process built and ran changes how its threads wake), so the planner
+    scales its blocks to these steps, the ones its layouts are checked against.
+
+    Raises:
+        ValueError: a run failed; the message names the batch size and the run's last line.
+    """
+    one_device = Layout(HybridMesh(), None, 1, 1, (), 0.0, 0.0, 0.0, 0.0, 0.0)
+    runs, errors = _timed_runs(
+        [(one_device, train_flags(one_device, costs, size)) for size in batch_sizes],
+        work_dir,
+        "one_device",
+        epochs=epochs,
+        steps_per_epoch=steps_per_epoch,
+        repeats=repeats,
+        timeout=timeout,
+    )
+    for index, error in errors.items():
+        raise ValueError(
+            f"scripts/train.py failed on one device at batch {batch_sizes[index]}: {error} "
+            "(fix the model or data, or pass --anchor_repeats=0 to plan.py)"
+        )
+    return [min(map(statistics.median, runs[index])) for index in range(len(batch_sizes))]
+
+
+def _timed_runs(
+    runs: Sequence[tuple[Layout, list[str]]],
+    work_dir: str,
+    name: str,
+    *,
+    epochs: int,
+    steps_per_epoch: int,
+    repeats: int,
+    timeout: float,
+) -> tuple[dict[int, list[list[float]]], dict[int, str]]:
+    """Runs each (layout, train.py flags) in turn, `repeats` rounds, each into
+    `work_dir/<name>_<index>_<round>`: (each one's runs' step times, each failed one's error).
+    A run that fails is not run again."""
+    if epochs < 2:
+        raise ValueError(
+            f"The first epoch includes tracing, so timing needs epochs >= 2. Received: {epochs}"
+        )
+    times = {index: [] for index in range(len(runs))}
+    errors = {}
+    for round_index in range(repeats):
+        for index, (layout, flags) in enumerate(runs):
+            if index in errors:
+                continue
+            model_dir = os.path.join(work_dir, f"{name}_{index + 1}_{round_index + 1}")
+            step_times, error = _run_layout(
+                training_command(
+                    layout, [*flags, *training_run_flags(epochs, steps_per_epoch, model_dir)]
+                ),
+                model_dir,
+                timeout,
+                steps_per_epoch,
+            )
+            if error is not None:
+                errors[index] = error
+            else:
+                times[index].append(step_times)
+    return times, errors
