@@ -606,24 +606,47 @@ def test_one_device_steps_run_train_py_at_each_size_in_rounds_and_keep_the_faste
         validation.one_device_steps(costs, [4, 32], "/nonexistent")
 
 
-def test_anchored_blocks_add_up_to_the_given_steps_less_the_framework():
+def test_anchoring_takes_the_steps_cost_per_example_and_its_excess_fixed_part_once():
     from tfmulti.planner.measure import anchored_to_steps
 
+    # 4 blocks: fixed 3 ms each, 0.3 ms per example; with the framework (2 ms) a step of
+    # 14 ms + 1.2 ms x b. train.py's steps: 30 ms at 4, 58 ms at 32 = 26 ms + 1 ms x b.
     costs = dataclasses.replace(_costs(), measured_batch_sizes=(4, 32))
-    anchored = anchored_to_steps(costs, [0.010, 0.024], step_framework=0.002)
-    for size, step in [(4, 0.010), (32, 0.024), (16, 0.016)]:
-        blocks = anchored.blocks
+    anchored = anchored_to_steps(costs, [0.030, 0.058], step_framework=0.002)
+    assert anchored.run_overhead == pytest.approx(0.026 - 0.014)
+    blocks = anchored.blocks
+    assert sum(b.forward_seconds.fixed + b.backward_seconds.fixed for b in blocks) == (
+        pytest.approx(0.012)
+    )
+    for size in (4, 16, 32):
         total = sum(b.forward_seconds.at(size) + b.backward_seconds.at(size) for b in blocks)
-        assert total + 0.002 == pytest.approx(step)
-    assert anchored.anchor_steps == (0.010, 0.024)
+        assert 0.002 + anchored.run_overhead + total == pytest.approx(0.026 + 0.001 * size)
+    assert anchored.anchor_steps == (0.030, 0.058)
     assert ModelCosts.from_json(json.loads(json.dumps(anchored.to_json()))) == anchored
+    # Steps with a smaller fixed part than the blocks' leave no script overhead.
+    assert anchored_to_steps(costs, [0.010, 0.038], 0.002).run_overhead == 0.0
     with pytest.raises(ValueError, match="one step per measured batch size"):
         anchored_to_steps(costs, [0.01], 0.0)
 
 
+def test_the_scripts_overhead_is_paid_once_a_step_whatever_the_layout():
+    hardware = Hardware(machine=MACHINE)
+    blocks = blocks_at(_costs(), 8, 1, hardware)
+    for mesh, schedule, boundaries in [
+        (HybridMesh(data=4), None, ()),
+        (HybridMesh(pipe=2), "1f1b", (2,)),
+    ]:
+        bare, anchored = (
+            score_layout(blocks, mesh, schedule, 4, 1, boundaries, hardware, run_overhead=extra)
+            for extra in (0.0, 0.005)
+        )
+        assert anchored.step_time - bare.step_time == pytest.approx(0.005)
+        assert anchored.overhead_time - bare.overhead_time == pytest.approx(0.005)
+
+
 def test_plan_scales_the_measured_blocks_to_train_py_one_device_steps(tmp_path):
     """plan.py with machine costs (read from the cache) times train.py on one device at
-    each measured batch size, and its saved blocks add up to those steps."""
+    each measured batch size and anchors the saved costs on those steps."""
     from tfmulti.costing.cost_cache import CostCache
     from tfmulti.planner.machine_benchmarks import machine_key, timed_with_callbacks
 
@@ -651,11 +674,20 @@ def test_plan_scales_the_measured_blocks_to_train_py_one_device_steps(tmp_path):
     costs = load_costs(str(saved))
     assert costs.measured_batch_sizes == (2, 16) and len(costs.anchor_steps) == 2
     assert json.loads(result.stdout)["model_anchor_steps"] == list(costs.anchor_steps)
+    # The blocks take train.py's cost per example; what its fixed part exceeds theirs by
+    # is paid once a step, by every layout.
     line = AffineTime.fit(costs.measured_batch_sizes, costs.anchor_steps)
-    for size in costs.measured_batch_sizes:
-        blocks = costs.blocks
-        total = sum(b.forward_seconds.at(size) + b.backward_seconds.at(size) for b in blocks)
-        assert total + machine.step_fixed == pytest.approx(line.at(size))
+    blocks = costs.blocks
+    per_example = sum(
+        b.forward_seconds.per_example + b.backward_seconds.per_example for b in blocks
+    )
+    assert per_example == pytest.approx(line.per_example)
+    fixed = machine.step_fixed + sum(
+        b.forward_seconds.fixed + b.backward_seconds.fixed for b in blocks
+    )
+    assert costs.run_overhead == pytest.approx(max(line.fixed - fixed, 0.0))
+    layouts = json.loads(result.stdout)["layouts"]
+    assert all(layout["overhead_time"] >= costs.run_overhead for layout in layouts)
 
 
 def test_every_benchmark_runs_with_a_training_runs_callbacks(tmp_path, monkeypatch):

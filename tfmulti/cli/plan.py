@@ -158,9 +158,10 @@ flags.DEFINE_integer("measure_rounds", 3, "Timing rounds per block; the fastest 
 flags.DEFINE_integer(
     "anchor_repeats",
     2,
-    "Runs of scripts/train.py's one-device step at each --measure_batch_sizes; the measured "
-    "blocks are scaled to add up to the fastest (0: to a step timed inside plan.py, which "
-    "can be off by a third).",
+    "Runs of scripts/train.py's one-device step at each --measure_batch_sizes, the fastest "
+    "counting: the model takes its cost per example, and what its fixed part exceeds the "
+    "blocks' is the script's own cost, paid once a step (0: keep the blocks as timed in "
+    "plan.py, whose cost per example can be off by half).",
     lower_bound=0,
 )
 flags.DEFINE_integer("top", 5, "Layouts to print.", lower_bound=1)
@@ -309,7 +310,7 @@ def _model_costs(machine):
 
 
 def _anchored(costs, machine):
-    """`costs` with its blocks scaled to scripts/train.py's one-device steps."""
+    """`costs` anchored on scripts/train.py's one-device steps (`anchored_to_steps`)."""
     from tfmulti.planner.measure import anchored_to_steps
 
     with tempfile.TemporaryDirectory(prefix="plan_anchor_") as work_dir:

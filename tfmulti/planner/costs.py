@@ -129,8 +129,10 @@ class ModelCosts:
             (`machine_benchmarks.model_serial_fractions`), replacing the machine's; empty
             to keep those.
         anchor_steps: `scripts/train.py`'s one-device step at each measured batch size,
-            the steps the blocks were scaled to (`measure.anchored_to_steps`); empty when
-            they were scaled to a step timed in the measuring process, or not at all.
+            the steps the model was anchored on (`measure.anchored_to_steps`); empty when
+            the blocks were scaled to a step timed in the measuring process, or not at all.
+        run_overhead: seconds a `scripts/train.py` step adds once, beyond the framework's
+            step cost and the blocks (its input pipeline and loop), paid by every layout.
     """
 
     model: str
@@ -144,6 +146,7 @@ class ModelCosts:
     serial_fraction: float | None = None
     serial_fractions: tuple[float, ...] = ()
     anchor_steps: tuple[float, ...] = ()
+    run_overhead: float = 0.0
 
     def to_json(self) -> dict:
         """The cost file's JSON object."""
@@ -185,6 +188,7 @@ class ModelCosts:
                 serial_fraction=data.get("serial_fraction"),
                 serial_fractions=tuple(data.get("serial_fractions", ())),
                 anchor_steps=tuple(map(float, data.get("anchor_steps", ()))),
+                run_overhead=float(data.get("run_overhead", 0.0)),
             )
         except (KeyError, TypeError) as error:
             raise ValueError(

@@ -222,15 +222,23 @@ def _model_serial_fractions(build, x, y, batch: int, devices: Sequence[str]) -> 
 def anchored_to_steps(
     costs: ModelCosts, seconds: Sequence[float], step_framework: float
 ) -> ModelCosts:
-    """`costs` with its blocks scaled to the one-device steps `seconds`, one per measured
-    batch size (`validation.one_device_steps`: scripts/train.py's), less the framework's
-    cost of a step.
+    """`costs` anchored on the one-device steps `seconds`, one per measured batch size
+    (`validation.one_device_steps`: scripts/train.py's), given the framework's cost of a
+    step.
+
+    The blocks keep the fixed part of the step they add up to (with the framework's), timed
+    block by block and in the measuring process, and take the steps' cost per example,
+    which that process measures unsteadily. What the steps' fixed part exceeds theirs by
+    is the script's own cost per step (its input pipeline and loop), paid once a step
+    whatever the layout: `run_overhead`. The one-device prediction then matches `seconds`
+    (at the larger of the two fixed parts).
 
     Example:
         >>> block = BlockCost("b", 1, AffineTime(2.0, 1.0), AffineTime(2.0, 1.0), 4.0)
         >>> costs = ModelCosts("mlp", {}, "digits", None, (block,), measured_batch_sizes=(1, 3))
-        >>> anchored_to_steps(costs, [3.0, 5.0], 1.0).blocks[0].forward_seconds
-        AffineTime(fixed=0.5, per_example=0.5)
+        >>> anchored = anchored_to_steps(costs, [8.0, 9.0], 1.0)
+        >>> anchored.blocks[0].forward_seconds, anchored.run_overhead
+        (AffineTime(fixed=2.0, per_example=0.25), 2.5)
     """
     sizes = costs.measured_batch_sizes
     if len(seconds) != len(sizes) or len(sizes) < 2:
@@ -238,9 +246,16 @@ def anchored_to_steps(
             "Need one step per measured batch size, at least two. Received: "
             f"measured_batch_sizes={list(sizes)}, seconds={list(seconds)}"
         )
-    step = AffineTime.fit(sizes, seconds)
-    blocks = tuple(scaled_to_step(costs.blocks, step, step_framework))
-    return dataclasses.replace(costs, blocks=blocks, anchor_steps=tuple(map(float, seconds)))
+    blocks = costs.blocks
+    fixed = step_framework + sum(b.forward_seconds.fixed + b.backward_seconds.fixed for b in blocks)
+    anchor = AffineTime.fit(sizes, seconds)
+    step = AffineTime(fixed, anchor.per_example)
+    return dataclasses.replace(
+        costs,
+        blocks=tuple(scaled_to_step(blocks, step, step_framework)),
+        anchor_steps=tuple(map(float, seconds)),
+        run_overhead=max(anchor.fixed - fixed, 0.0),
+    )
 
 
 def scaled_to_step(

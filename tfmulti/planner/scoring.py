@@ -9,7 +9,8 @@ device of the mesh added up (with measured `MachineCosts`: that sum sped up as f
 the step's concurrency allows, `MachineCosts.shared_compute`), tensor all-reduces counted
 as waiting rather than busy. With `MachineCosts`, the framework's own cost is added: a step's fixed
 cost, each replica's dispatch, and the pipeline executor's cost per action and per loop
-round. Peak memory per device is the parameter state of its stages plus its peak live
+round; with a model anchored on `scripts/train.py`, what that script adds to a step.
+Peak memory per device is the parameter state of its stages plus its peak live
 activation bytes from the simulator.
 
 Over several hosts (`tfmulti.planner.hosts`), one mesh axis crosses them: stage transfers
@@ -109,6 +110,7 @@ def score_layout(
     num_variables: int = 0,
     relative_spread: float = 0.0,
     *,
+    run_overhead: float = 0.0,
     hosts: int = 1,
     cross_host_axis: str | None = None,
 ) -> Layout:
@@ -125,6 +127,8 @@ def score_layout(
         hardware: bandwidth and bytes per parameter, and the machine's measured costs.
         num_variables: the model's trainable variables (each replica updates each).
         relative_spread: the block timings' relative spread, for the uncertainty.
+        run_overhead: what a `scripts/train.py` step adds once beyond the framework and
+            the blocks (`ModelCosts.run_overhead`), added to the overhead.
         hosts: hosts the mesh is laid over, an equal share of its devices on each.
         cross_host_axis: with hosts > 1, the axis across them: one of
             `tfmulti.planner.hosts.cross_host_axes(mesh, hosts)`.
@@ -206,13 +210,13 @@ def score_layout(
     # axis across, the chief drives every replica.
     dispatched_replicas = mesh.data // hosts if cross_host_axis == "data" else mesh.data
     machine = hardware.machine
-    overhead_time = 0.0
+    overhead_time = run_overhead
     if machine is not None:
         pipeline_time = max(
             pipeline_time, machine.shared_compute(pipeline_time, summed_busy) + max(device_waits)
         )
         executor = runs_pipeline_executor(mesh, hosts)
-        overhead_time = machine.step_seconds(num_variables) + machine.replica_seconds(
+        overhead_time += machine.step_seconds(num_variables) + machine.replica_seconds(
             dispatched_replicas, num_variables // mesh.pipe, executor=executor
         )
         if executor:

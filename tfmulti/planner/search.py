@@ -189,6 +189,7 @@ def _best_split(
             hardware,
             num_variables,
             costs.timing_spread,
+            run_overhead=costs.run_overhead,
             hosts=hosts,
             cross_host_axis=cross_host_axis,
         )
