@@ -543,6 +543,23 @@ def test_blocks_are_scaled_to_add_up_to_the_measured_one_device_step():
     assert total == pytest.approx(4.0 + 2.0 * 8)
 
 
+def test_a_part_the_blocks_measured_as_zero_is_spread_like_the_other():
+    from tfmulti.planner.measure import scaled_to_step
+
+    # A small model's cost per example fitted to 0: the step's is spread as the fixed part.
+    blocks = [
+        BlockCost("a", 1, AffineTime(3.0, 0.0), AffineTime(1.0, 0.0), 4.0),
+        BlockCost("b", 1, AffineTime(0.0, 0.0), AffineTime(4.0, 0.0), 4.0),
+    ]
+    scaled = scaled_to_step(blocks, AffineTime(9.0, 2.0), step_framework=1.0)
+    assert [b.forward_seconds for b in scaled] == [AffineTime(3.0, 0.75), AffineTime(0.0, 0.0)]
+    assert scaled[1].backward_seconds == AffineTime(4.0, 1.0)
+    empty = [BlockCost("c", 1, AffineTime(0.0, 0.0), AffineTime(0.0, 0.0), 4.0)] * 2
+    assert scaled_to_step(empty, AffineTime(5.0, 4.0), 1.0)[0].forward_seconds == AffineTime(
+        1.0, 1.0
+    )
+
+
 def test_validation_times_the_median_step_after_the_first_epoch_without_epoch_starts():
     from tfmulti.planner.validation import timed_step_seconds
 

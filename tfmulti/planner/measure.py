@@ -263,29 +263,37 @@ def scaled_to_step(
 ) -> list[BlockCost]:
     """`blocks` with fixed and per-example parts scaled to add up to `step` less `step_framework`.
 
+    A part the blocks measured as 0 throughout (a small model's cost per example can fit
+    to 0) is spread over them like the other part, else evenly.
+
     Example:
         >>> block = BlockCost("b", 1, AffineTime(2.0, 1.0), AffineTime(2.0, 1.0), 4.0)
         >>> scaled_to_step([block], AffineTime(3.0, 1.0), 1.0)[0].forward_seconds
         AffineTime(fixed=1.0, per_example=0.5)
     """
-    fixed = sum(b.forward_seconds.fixed + b.backward_seconds.fixed for b in blocks)
-    per_example = sum(
-        b.forward_seconds.per_example + b.backward_seconds.per_example for b in blocks
+    passes = [(b.forward_seconds, b.backward_seconds) for b in blocks]
+    times = [time for pair in passes for time in pair]
+    fixed = _spread(
+        max(step.fixed - step_framework, 0.0),
+        [t.fixed for t in times],
+        [t.per_example for t in times],
     )
-    fixed_scale = max(step.fixed - step_framework, 0.0) / fixed if fixed else 1.0
-    example_scale = step.per_example / per_example if per_example else 1.0
-
-    def scaled(time: AffineTime) -> AffineTime:
-        return AffineTime(time.fixed * fixed_scale, time.per_example * example_scale)
-
+    per_example = _spread(
+        step.per_example, [t.per_example for t in times], [t.fixed for t in times]
+    )
+    scaled = [AffineTime(f, p) for f, p in zip(fixed, per_example, strict=True)]
     return [
-        dataclasses.replace(
-            block,
-            forward_seconds=scaled(block.forward_seconds),
-            backward_seconds=scaled(block.backward_seconds),
-        )
-        for block in blocks
+        dataclasses.replace(block, forward_seconds=forward, backward_seconds=backward)
+        for block, forward, backward in zip(blocks, scaled[::2], scaled[1::2], strict=True)
     ]
+
+
+def _spread(total: float, weights: list[float], fallback: list[float]) -> list[float]:
+    """`total` split in proportion to `weights`, else (all 0) to `fallback`, else evenly."""
+    for shares in (weights, fallback, [1.0] * len(weights)):
+        if sum(shares) > 0:
+            return [total * share / sum(shares) for share in shares]
+    return []
 
 
 def _tensor_replicated_bytes(block) -> float:
