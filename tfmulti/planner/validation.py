@@ -242,8 +242,9 @@ def one_device_steps(
     each size's fastest run counts).
 
     A step measured inside another process can differ from train.py's by a third
-    (what else that process built and ran changes how its threads wake), so the planner
-    scales its blocks to these steps, the ones its layouts are checked against.
+    (what else that process built and ran changes it), so the planner anchors the
+    model on these steps (`measure.anchored_to_steps`), the ones its layouts are
+    checked against.
 
     Raises:
         ValueError: a run failed; the message names the batch size and the run's last line.
@@ -258,7 +259,8 @@ def one_device_steps(
         repeats=repeats,
         timeout=timeout,
     )
-    for index, error in errors.items():
+    if errors:
+        index, error = min(errors.items())
         raise ValueError(
             f"scripts/train.py failed on one device at batch {batch_sizes[index]}: {error} "
             "(fix the model or data, or pass --anchor_repeats=0 to plan.py)"
