@@ -68,6 +68,7 @@ SAME_RUN = {
 
 RUN_BY_SCRIPT_TESTS = {
     ".venv/bin/python scripts/benchmark_dp.py --virtual_devices=2": "benchmark_dp",
+    ".venv/bin/python scripts/benchmark_cpu_allocator.py --rounds=2": "benchmark_cpu_allocator",
     ".venv/bin/python scripts/benchmark_pipeline.py --out=docs/benchmarks/pipeline.json": (
         "benchmark_pipeline"
     ),

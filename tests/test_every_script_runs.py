@@ -28,6 +28,7 @@ MAIN_PATH_TESTS = {
     "benchmark_pipeline.py": "test_every_script_runs.py",
     "benchmark_startup.py": "test_every_script_runs.py",
     "benchmark_across_hosts.py": "test_every_script_runs.py",
+    "benchmark_cpu_allocator.py": "test_every_script_runs.py",
 }
 
 # The smallest run of each benchmark; test_documented_commands.py shrinks the documented
@@ -94,6 +95,13 @@ SMALLEST = {
         "--microbatches=2",
         "--steps=1",
     ),
+    # One small run, one process under each allocator.
+    "benchmark_cpu_allocator.py": (
+        "--run=--strategy=one_device --model=mlp --dataset=digits --batch_size=8",
+        "--rounds=1",
+        "--epochs=2",
+        "--steps_per_epoch=2",
+    ),
     # Its smallest measuring (one Transformer block, narrow) and --validate runs.
     "plan.py": (
         "--model_option=num_layers=1",
@@ -127,6 +135,10 @@ RUNS = {
     "benchmark_across_hosts": (
         "benchmark_across_hosts.py",
         *SMALLEST["benchmark_across_hosts.py"],
+    ),
+    "benchmark_cpu_allocator": (
+        "benchmark_cpu_allocator.py",
+        *SMALLEST["benchmark_cpu_allocator.py"],
     ),
 }
 
@@ -306,3 +318,28 @@ def test_benchmark_across_hosts_compares_one_host_with_two_workers_and_draws_it(
         ratio["step_time_ratio"], ratio["startup_ratio"], ratio["measured_over_analytic_bytes"]
     )
     assert_valid_png(plot)
+
+
+def test_benchmark_cpu_allocator_times_each_run_under_both_allocators():
+    result = json.loads(_ran(run_script(*RUNS["benchmark_cpu_allocator"])))
+
+    (run,) = result["runs"]
+    assert run["flags"] == [
+        "--strategy=one_device",
+        "--model=mlp",
+        "--dataset=digits",
+        "--batch_size=8",
+    ]
+    assert len(run["default_ms"]) == len(run["bfc_ms"]) == 1
+    assert _finite_positive(*run["default_ms"], *run["bfc_ms"])
+    assert run["bfc_over_default"] == pytest.approx(
+        run["bfc_ms"][0] / run["default_ms"][0], abs=1e-3
+    )
+
+
+def test_benchmark_cpu_allocator_names_a_failing_run_in_one_line():
+    result = run_script("benchmark_cpu_allocator.py", "--run=--strategy=no_such", "--rounds=1")
+
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert "--strategy=no_such" in result.stderr.strip().splitlines()[-1]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tfmulti.platform.cpu_allocator import prefer_bfc_cpu_allocator
+
 
 class DeviceConfigurationError(ValueError):
     """Raised when logical devices cannot be set up as asked."""
@@ -27,6 +29,8 @@ def configure_logical_devices(
 
     TensorFlow stays uninitialised, so a multi-worker strategy can still be
     built afterwards; `logical_device_names()` lists the devices (and starts it).
+    The devices get TensorFlow's BFC CPU allocator unless the user chose one
+    (`tfmulti.platform.cpu_allocator`).
 
     Args:
         num_devices: how many logical devices are wanted (>= 1).
@@ -45,6 +49,7 @@ def configure_logical_devices(
         raise DeviceConfigurationError(
             f"num_devices must be >= 1. Received: num_devices={num_devices}"
         )
+    prefer_bfc_cpu_allocator()
     device_type = (device_type or accelerator_type()).upper()
     physical = tf.config.list_physical_devices(device_type)
     if not physical:

@@ -8,6 +8,9 @@ writes to file descriptor 2 whatever `TF_CPP_MIN_LOG_LEVEL` says, so `start_tens
 sends that descriptor to a file while TensorFlow starts and then passes on every line
 that is not one of those notices: a real error still shows.
 
+It also asks for TensorFlow's BFC CPU allocator (`cpu_allocator`), which steps under a
+strategy need, before TensorFlow starts its devices.
+
 A log level from the user (`--tf_log_level`, or `TF_CPP_MIN_LOG_LEVEL` set before the
 script starts) turns the filter off and lets TensorFlow print by its own rules.
 """
@@ -19,6 +22,8 @@ import os
 import re
 import sys
 import tempfile
+
+from tfmulti.platform.cpu_allocator import prefer_bfc_cpu_allocator
 
 TF_LOG_LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
 # Set beside TF_LOG_LEVEL_ENV when tfmulti chose the level, so a process started from
@@ -68,7 +73,8 @@ def stderr_without(noise: re.Pattern):
 
 
 def start_tensorflow(log_level: int | None = None) -> None:
-    """Imports TensorFlow and lists its devices, keeping its start-up notices off stderr.
+    """Imports TensorFlow and lists its devices, keeping its start-up notices off stderr,
+    with the BFC CPU allocator unless the user chose one (`prefer_bfc_cpu_allocator`).
 
     Call it before anything imports TensorFlow; later calls do nothing new.
 
@@ -79,6 +85,7 @@ def start_tensorflow(log_level: int | None = None) -> None:
     """
     if "tensorflow" in sys.modules:
         return
+    prefer_bfc_cpu_allocator()
     chosen = user_log_level(log_level)
     if chosen is not None:
         os.environ[TF_LOG_LEVEL_ENV] = str(chosen)

@@ -1,0 +1,89 @@
+"""tfmulti runs TensorFlow with its BFC CPU allocator unless the user chose, because the
+default allocator takes memory from the system afresh each step under a strategy; a
+canary tells when TensorFlow's default no longer does."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tfmulti.platform.cpu_allocator import CPU_ALLOCATOR_ENV, prefer_bfc_cpu_allocator
+
+# Trains a small Transformer under OneDeviceStrategy and prints the process's minor page
+# faults per step after warm-up (the kernel's count, not a time).
+FAULTS_PER_STEP = """
+import resource, sys
+import keras
+import tensorflow as tf
+from tfmulti.data import load_source
+from tfmulti.models import registry
+batch, steps = int(sys.argv[1]), 20
+source = load_source("tokens", data_path=None, seed=0)
+x, y = source.x_train[: batch * steps], source.y_train[: batch * steps]
+with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+    model = registry.build_model(
+        "transformer", source.info.input_shape, source.info.num_classes, 0, **OPTIONS
+    )
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+model.fit(x, y, batch_size=batch, epochs=2, verbose=0)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / (2 * steps))
+"""
+
+
+def _faults_per_step(use_bfc: str, batch: int = 16, options: str = "dict(num_layers=2)") -> float:
+    environment = {**os.environ, CPU_ALLOCATOR_ENV: use_bfc, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    result = subprocess.run(
+        [sys.executable, "-c", FAULTS_PER_STEP.replace("OPTIONS", options), str(batch)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return float(result.stdout.split()[-1])
+
+
+def test_bfc_is_asked_for_when_the_user_did_not_choose(monkeypatch):
+    monkeypatch.delenv(CPU_ALLOCATOR_ENV, raising=False)
+
+    assert prefer_bfc_cpu_allocator() is True
+    assert os.environ[CPU_ALLOCATOR_ENV] == "true"
+
+
+@pytest.mark.parametrize("choice, expected", [("false", False), ("0", False), ("1", True)])
+def test_the_users_choice_of_allocator_is_kept(monkeypatch, choice, expected):
+    monkeypatch.setenv(CPU_ALLOCATOR_ENV, choice)
+
+    assert prefer_bfc_cpu_allocator() is expected
+    assert os.environ[CPU_ALLOCATOR_ENV] == choice
+
+
+def test_scripts_start_tensorflow_with_the_bfc_allocator():
+    code = (
+        "import os\n"
+        "from tfmulti.platform.tf_startup import start_tensorflow\n"
+        "start_tensorflow()\n"
+        f"print(os.environ[{CPU_ALLOCATOR_ENV!r}])\n"
+    )
+    environment = {name: value for name, value in os.environ.items() if name != CPU_ALLOCATOR_ENV}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=120
+    )
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-1] == "true"
+
+
+def test_tensorflows_default_cpu_allocator_still_takes_fresh_pages_every_step():
+    """Canary: when TensorFlow's default stops faulting, `cpu_allocator` can go."""
+    default_faults = _faults_per_step("false")
+    bfc_faults = _faults_per_step("true")
+
+    assert default_faults > 300, (
+        f"TensorFlow's default CPU allocator took {default_faults:.0f} fresh pages a step: "
+        "it may no longer need tfmulti.platform.cpu_allocator"
+    )
+    assert bfc_faults < default_faults / 10
