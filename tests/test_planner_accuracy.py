@@ -663,7 +663,8 @@ def test_the_scripts_overhead_is_paid_once_a_step_whatever_the_layout():
 
 def test_plan_scales_the_measured_blocks_to_train_py_one_device_steps(tmp_path):
     """plan.py with machine costs (read from the cache) times train.py on one device at
-    each measured batch size and anchors the saved costs on those steps."""
+    each measured batch size, as --validate times a layout, and anchors the saved costs on
+    those steps."""
     from tfmulti.costing.cost_cache import CostCache
     from tfmulti.planner.machine_benchmarks import machine_key, timed_with_callbacks
 
@@ -681,7 +682,10 @@ def test_plan_scales_the_measured_blocks_to_train_py_one_device_steps(tmp_path):
         "--devices=2",
         "--global_batch=16",
         "--measure_rounds=1",
-        "--anchor_repeats=1",
+        # The anchor runs as --validate would run a layout: once, 2 epochs of 3 steps.
+        "--validate_repeats=1",
+        "--validate_epochs=2",
+        "--validate_steps=3",
         f"--cost_cache={tmp_path / 'cache.json'}",
         f"--save_costs={saved}",
         "--json",

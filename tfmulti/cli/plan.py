@@ -157,11 +157,13 @@ flags.DEFINE_list(
 flags.DEFINE_integer("measure_rounds", 3, "Timing rounds per block; the fastest counts.", 1)
 flags.DEFINE_integer(
     "anchor_repeats",
-    2,
-    "Runs of scripts/train.py's one-device step at each --measure_batch_sizes, the fastest "
-    "counting: the model takes its cost per example, and what its fixed part exceeds the "
-    "blocks' is the script's own cost, paid once a step (0: keep the blocks as timed in "
-    "plan.py, whose cost per example can be off by half).",
+    None,
+    "Runs of scripts/train.py's one-device step at each --measure_batch_sizes, timed as "
+    "--validate times a layout (--validate_epochs, --validate_steps), the fastest counting: "
+    "the model takes its cost per example, and what its fixed part exceeds the blocks' is "
+    "the script's own cost, paid once a step (default: --validate_repeats, so the anchor is "
+    "the statistic its layouts are checked by; 0: keep the blocks as timed in plan.py, "
+    "whose cost per example can be off by half).",
     lower_bound=0,
 )
 flags.DEFINE_integer("top", 5, "Layouts to print.", lower_bound=1)
@@ -302,20 +304,31 @@ def _model_costs(machine):
         costs = measure_model_costs(
             FLAGS.model, FLAGS.dataset, rounds=FLAGS.measure_rounds, **common
         )
-    if machine is not None and FLAGS.anchor_repeats:
+    if machine is not None and _anchor_repeats():
         costs = _anchored(costs, machine)
     if FLAGS.save_costs:
         save_costs(costs, FLAGS.save_costs)
     return costs
 
 
+def _anchor_repeats() -> int:
+    """Runs of each anchor step: --anchor_repeats, else --validate_repeats."""
+    return FLAGS.validate_repeats if FLAGS.anchor_repeats is None else FLAGS.anchor_repeats
+
+
 def _anchored(costs, machine):
-    """`costs` anchored on scripts/train.py's one-device steps (`anchored_to_steps`)."""
+    """`costs` anchored on scripts/train.py's one-device steps (`anchored_to_steps`), run
+    and counted as --validate runs and counts a layout."""
     from tfmulti.planner.measure import anchored_to_steps
 
     with tempfile.TemporaryDirectory(prefix="plan_anchor_") as work_dir:
         seconds = one_device_steps(
-            costs, costs.measured_batch_sizes, work_dir, repeats=FLAGS.anchor_repeats
+            costs,
+            costs.measured_batch_sizes,
+            work_dir,
+            epochs=FLAGS.validate_epochs,
+            steps_per_epoch=FLAGS.validate_steps,
+            repeats=_anchor_repeats(),
         )
     variables = sum(block.variables for block in costs.blocks)
     return anchored_to_steps(costs, seconds, machine.step_seconds(variables))
