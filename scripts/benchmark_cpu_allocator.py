@@ -20,8 +20,9 @@ import subprocess
 import sys
 import tempfile
 
-from absl import app, flags
+from absl import flags
 
+from tfmulti.flags.parsing import run_script
 from tfmulti.planner.validation import TRAIN_SCRIPT, timed_step_seconds, training_run_flags
 from tfmulti.platform.cpu_allocator import CPU_ALLOCATOR_ENV
 
@@ -76,4 +77,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run_script(main, (ValueError,))
