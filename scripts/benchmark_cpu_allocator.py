@@ -16,14 +16,13 @@ Example:
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
 from absl import flags
 
 from tfmulti.flags.parsing import run_script
-from tfmulti.planner.validation import TRAIN_SCRIPT, timed_step_seconds, training_run_flags
+from tfmulti.planner.validation import TRAIN_SCRIPT, run_timed_training, training_run_flags
 from tfmulti.platform.cpu_allocator import CPU_ALLOCATOR_ENV
 
 _MODEL = (
@@ -53,12 +52,11 @@ def step_ms(run_flags: list[str], use_bfc: str, model_dir: str) -> float:
         *run_flags,
         *training_run_flags(FLAGS.epochs, FLAGS.steps_per_epoch, model_dir),
     ]
-    environment = {**os.environ, CPU_ALLOCATOR_ENV: use_bfc, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    result = subprocess.run(command, capture_output=True, text=True, env=environment)
-    steps = timed_step_seconds(result.stdout + result.stderr, FLAGS.steps_per_epoch)
-    if result.returncode or not steps:
-        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise SystemExit(f"train.py {' '.join(run_flags)} failed: {last}")
+    steps, error = run_timed_training(
+        command, model_dir, 900, FLAGS.steps_per_epoch, {CPU_ALLOCATOR_ENV: use_bfc}
+    )
+    if error is not None:
+        raise SystemExit(f"train.py {' '.join(run_flags)} failed: {error}")
     return round(statistics.median(steps) * 1000, 2)
 
 

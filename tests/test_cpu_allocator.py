@@ -13,17 +13,17 @@ from tfmulti.platform.cpu_allocator import CPU_ALLOCATOR_ENV, prefer_bfc_cpu_all
 # Trains a small Transformer under OneDeviceStrategy and prints the process's minor page
 # faults per step after warm-up (the kernel's count, not a time).
 FAULTS_PER_STEP = """
-import resource, sys
+import resource
 import keras
 import tensorflow as tf
 from tfmulti.data import load_source
 from tfmulti.models import registry
-batch, steps = int(sys.argv[1]), 20
+batch, steps = 16, 20
 source = load_source("tokens", data_path=None, seed=0)
 x, y = source.x_train[: batch * steps], source.y_train[: batch * steps]
 with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
     model = registry.build_model(
-        "transformer", source.info.input_shape, source.info.num_classes, 0, **OPTIONS
+        "transformer", source.info.input_shape, source.info.num_classes, 0, num_layers=2
     )
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
@@ -33,10 +33,10 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / (2 * steps
 """
 
 
-def _faults_per_step(use_bfc: str, batch: int = 16, options: str = "dict(num_layers=2)") -> float:
+def _faults_per_step(use_bfc: str) -> float:
     environment = {**os.environ, CPU_ALLOCATOR_ENV: use_bfc, "TF_CPP_MIN_LOG_LEVEL": "2"}
     result = subprocess.run(
-        [sys.executable, "-c", FAULTS_PER_STEP.replace("OPTIONS", options), str(batch)],
+        [sys.executable, "-c", FAULTS_PER_STEP],
         capture_output=True,
         text=True,
         env=environment,

@@ -586,7 +586,7 @@ def test_a_layouts_fastest_run_counts_so_a_slow_spell_over_one_run_does_not(monk
             [0.07, 0.07, 0.08],  # round 2, layout 2: slower than its first run
         ]
     )
-    monkeypatch.setattr(validation, "_run_layout", lambda *args: (next(runs), None))
+    monkeypatch.setattr(validation, "run_timed_training", lambda *args: (next(runs), None))
     layouts = search_layouts(_costs(), 2, 8, Hardware())[:2]
     measured = validation.measure_layouts(layouts, _costs(), 8, "/nonexistent", repeats=2)
     assert [m.measured_step_time for m in measured] == [0.10, 0.05]
@@ -611,14 +611,14 @@ def test_one_device_steps_run_train_py_at_each_size_in_rounds_and_keep_the_faste
         commands.append(command)
         return next(runs), None
 
-    monkeypatch.setattr(validation, "_run_layout", run_layout)
+    monkeypatch.setattr(validation, "run_timed_training", run_layout)
     costs = ModelCosts("mlp", {}, "digits", None, (), measured_batch_sizes=(4, 32))
     steps = validation.one_device_steps(costs, [4, 32], "/nonexistent", repeats=2)
     assert steps == [0.02, 0.08]
     sizes = [[a for a in command if a.startswith("--batch_size=")] for command in commands]
     assert sizes == [["--batch_size=4"], ["--batch_size=32"]] * 2
     assert all("--strategy=one_device" in command for command in commands)
-    monkeypatch.setattr(validation, "_run_layout", lambda *args: (None, "Killed"))
+    monkeypatch.setattr(validation, "run_timed_training", lambda *args: (None, "Killed"))
     with pytest.raises(ValueError, match="at batch 4: Killed .*--anchor_repeats=0"):
         validation.one_device_steps(costs, [4, 32], "/nonexistent")
 

@@ -203,11 +203,16 @@ def measure_layouts(
     ]
 
 
-def _run_layout(
-    command, model_dir, timeout, steps_per_epoch
+def run_timed_training(
+    command: Sequence[str],
+    model_dir: str,
+    timeout: float,
+    steps_per_epoch: int,
+    environment: dict[str, str] | None = None,
 ) -> tuple[list[float] | None, str | None]:
-    """(seconds of each timed step, None), or (None, why it failed)."""
-    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    """Runs a training `command` (flags of `training_run_flags`) with `environment` added:
+    (seconds of each timed step, None), or (None, why it failed)."""
+    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(environment or {})}
     try:
         run = subprocess.run(
             command, capture_output=True, text=True, timeout=timeout, env=environment
@@ -292,7 +297,7 @@ def _timed_runs(
             if index in errors:
                 continue
             model_dir = os.path.join(work_dir, f"{name}_{index + 1}_{round_index + 1}")
-            step_times, error = _run_layout(
+            step_times, error = run_timed_training(
                 training_command(
                     layout, [*flags, *training_run_flags(epochs, steps_per_epoch, model_dir)]
                 ),
