@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 
 import numpy as np
 import pytest
@@ -497,9 +498,21 @@ def test_the_models_own_serial_fraction_replaces_the_machines_in_the_search():
 
 
 def test_validate_json_reports_mape_kendall_tau_and_best_gap(tmp_path):
+    """Also: the anchored one-device step is re-timed among the layouts, and the machine's
+    drift since planning is reported with the MAPE at the new speed."""
     block = BlockCost("dense", 1000, AffineTime(1e-4, 1e-5), AffineTime(2e-4, 2e-5), 256)
     path = str(tmp_path / "costs.json")
-    save_costs(ModelCosts("mlp", {}, "digits", None, (block,) * 4), path)
+    planned_anchor = 1e-4  # far faster than any train.py step, so the drift is large
+    costs = ModelCosts(
+        "mlp",
+        {},
+        "digits",
+        None,
+        (block,) * 4,
+        measured_batch_sizes=(2, 16),
+        anchor_steps=(5e-5, planned_anchor),
+    )
+    save_costs(costs, path)
     result = run_script(
         "plan.py",
         f"--costs={path}",
@@ -526,6 +539,29 @@ def test_validate_json_reports_mape_kendall_tau_and_best_gap(tmp_path):
     # One run per layout: its run is listed, and there is no second run to compare with.
     assert validated["measured_runs"] == [validated["measured_step_time"]]
     assert output["repeat_error"] is None
+    # The anchor ran in the round beside the layout, into its own directory.
+    check = output["anchor_check"]
+    assert check["batch"] == 16 and check["planned_step_time"] == planned_anchor
+    assert check["measured_runs"] == [check["measured_step_time"]] and check["error"] is None
+    assert sorted(os.listdir(tmp_path / "runs")) == ["layout_1_1", "layout_2_1"]
+    drift = check["measured_step_time"] / planned_anchor
+    assert output["machine_drift"] == pytest.approx(drift) and drift > 10
+    assert output["drift_corrected_mape"] == pytest.approx(
+        abs(validated["measured_step_time"] - drift * validated["step_time"])
+        / validated["measured_step_time"]
+    )
+
+
+def test_the_summary_says_how_the_machines_speed_changed_since_planning():
+    from tfmulti.planner.accuracy import accuracy
+
+    slower = accuracy([10.0, 20.0], [12.0, 25.0], machine_drift=1.2).summary()
+    assert "ran 20.0% slower than when planned (MAPE 2.0% at that speed)" in slower
+    faster = accuracy([10.0, 20.0], [9.0, 18.0], machine_drift=0.9).summary()
+    assert "ran 10.0% faster than when planned (MAPE 0.0% at that speed)" in faster
+    assert "planned" not in accuracy([10.0], [9.0]).summary()
+    with pytest.raises(ValueError, match="machine_drift must be > 0"):
+        accuracy([10.0], [9.0], machine_drift=0.0)
 
 
 def test_blocks_are_scaled_to_add_up_to_the_measured_one_device_step():

@@ -45,6 +45,7 @@ from tfmulti.planner.report import (
 )
 from tfmulti.planner.train_flags import train_flags
 from tfmulti.planner.validation import (
+    ONE_DEVICE,
     accepts_flags,
     distinct_layouts,
     measure_layouts,
@@ -186,6 +187,13 @@ flags.DEFINE_integer(
 flags.DEFINE_integer("validate_steps", 20, "Training steps per epoch in --validate.", 1)
 flags.DEFINE_integer(
     "validate_epochs", 3, "Epochs per --validate run; all after the first are timed.", 2
+)
+flags.DEFINE_bool(
+    "validate_anchor",
+    True,
+    "With --validate on an anchored model: also run the one-device anchor at --global_batch "
+    "in each round, and report how much faster or slower the machine ran than when the "
+    "model was anchored, with the MAPE at that speed.",
 )
 flags.DEFINE_string("validate_dir", None, "Where --validate runs write (default: a temp dir).")
 flags.DEFINE_multi_string(
@@ -334,6 +342,23 @@ def _anchored(costs, machine):
     return anchored_to_steps(costs, seconds, machine.step_seconds(variables))
 
 
+def _planned_anchor_step(costs) -> float | None:
+    """The anchored one-device step at --global_batch that --validate re-times among its
+    layouts, or None (--novalidate_anchor, a model not anchored, or anchored at other
+    batch sizes)."""
+    sizes = costs.measured_batch_sizes
+    if not FLAGS.validate_anchor or FLAGS.global_batch not in sizes or not costs.anchor_steps:
+        return None
+    return costs.anchor_steps[sizes.index(FLAGS.global_batch)]
+
+
+def _machine_drift(anchor_check: dict | None) -> float | None:
+    """The one-device step re-timed among the layouts over the anchored one, or None."""
+    if not anchor_check or anchor_check["measured_step_time"] is None:
+        return None
+    return anchor_check["measured_step_time"] / anchor_check["planned_step_time"]
+
+
 def _layouts_to_validate(layouts, costs):
     """The best --validate layouts of different kinds that train.py runs, and the best
     one-device layout as the baseline when fewer devices are allowed. Each check starts
@@ -419,11 +444,13 @@ def _plan(argv: list[str]) -> None:
             "--memory_per_device or --devices, or lower --global_batch."
         )
     best = layouts[: FLAGS.top]
-    measurements = []
+    measurements, anchor_check = [], None
     if FLAGS.validate:
         work_dir = FLAGS.validate_dir or tempfile.mkdtemp(prefix="plan_validate_")
+        planned_anchor = _planned_anchor_step(costs)
+        to_check = _layouts_to_validate(layouts, costs)
         measurements = measure_layouts(
-            _layouts_to_validate(layouts, costs),
+            to_check + ([ONE_DEVICE] if planned_anchor is not None else []),
             costs,
             FLAGS.global_batch,
             work_dir,
@@ -431,8 +458,18 @@ def _plan(argv: list[str]) -> None:
             steps_per_epoch=FLAGS.validate_steps,
             repeats=FLAGS.validate_repeats,
         )
+        if planned_anchor is not None:
+            *measurements, retimed = measurements
+            anchor_check = {
+                "batch": FLAGS.global_batch,
+                "planned_step_time": planned_anchor,
+                "measured_step_time": retimed.measured_step_time,
+                "measured_runs": list(retimed.run_step_times),
+                "error": retimed.error,
+            }
+    drift = _machine_drift(anchor_check)
     if FLAGS.json:
-        figures = validation_accuracy(measurements)
+        figures = validation_accuracy(measurements, drift)
         output = {
             "model": costs.model,
             "model_options": costs.model_options,
@@ -461,6 +498,7 @@ def _plan(argv: list[str]) -> None:
             "model_serial_fraction": costs.serial_fraction,
             "model_serial_fractions": list(costs.serial_fractions),
             "model_anchor_steps": list(costs.anchor_steps),
+            "anchor_check": anchor_check,
         }
         if figures is not None:
             output.update(figures.to_json())
@@ -477,7 +515,7 @@ def _plan(argv: list[str]) -> None:
             "\nPredicted against measured step time "
             "(scripts/train.py, median step after the first epoch):\n"
         )
-        print(format_validation(measurements))
+        print(format_validation(measurements, drift))
 
 
 def main() -> None:

@@ -10,7 +10,11 @@ Pure Python. Three figures judge a planner over the layouts it ran:
 
 Beside them, `repeat_error` is the measurement's own noise: the MAPE each layout's counted
 run scores against the layout's other runs, as if it were the prediction. No predictor can
-be held to a MAPE below it.
+be held to a MAPE below it. And `machine_drift` is how much slower the machine ran while
+the layouts ran than when the model was anchored (the one-device step re-timed among
+them, over the one timed at planning), with `drift_corrected_mape`, the MAPE of the
+predictions at that speed: what the cost model's own error is when the whole machine
+slowed down or sped up in between. Kendall tau and the best gap do not depend on it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ class Accuracy:
         kendall_tau: rank correlation of predicted and measured times (None below 2).
         best_gap: measured time of the predicted best over the fastest measured, minus 1.
         repeat_error: `repeat_error` of the layouts' runs (None: no layout ran twice).
+        machine_drift: the one-device step timed among the layouts over the one the model
+            was anchored on (None: not re-timed).
+        drift_corrected_mape: the MAPE of the predictions times `machine_drift`.
     """
 
     count: int
@@ -37,19 +44,31 @@ class Accuracy:
     kendall_tau: float | None
     best_gap: float
     repeat_error: float | None = None
+    machine_drift: float | None = None
+    drift_corrected_mape: float | None = None
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
     def summary(self) -> str:
-        """One line: 'MAPE 7.2%, Kendall tau 0.79, predicted best 1.3% slower than ...'."""
+        """'MAPE 7.2%, Kendall tau 0.79, predicted best 1.3% slower than ...', and on a
+        second line the machine's drift, when re-timed."""
         tau = "-" if self.kendall_tau is None else f"{self.kendall_tau:.2f}"
         noise = ""
         if self.repeat_error is not None:
             noise = f"; runs of one layout differ by {100 * self.repeat_error:.1f}% (MAPE)"
+        drift = ""
+        if self.machine_drift is not None:
+            change = 100 * (self.machine_drift - 1)
+            drift = (
+                f"\nThe one-device step (the model's anchor) ran {abs(change):.1f}% "
+                f"{'slower' if change >= 0 else 'faster'} than when planned "
+                f"(MAPE {100 * self.drift_corrected_mape:.1f}% at that speed)"
+            )
         return (
             f"{self.count} layouts: MAPE {100 * self.mape:.1f}%, Kendall tau {tau}, "
-            f"predicted best {100 * self.best_gap:.1f}% slower than the fastest measured{noise}"
+            f"predicted best {100 * self.best_gap:.1f}% slower than the fastest "
+            f"measured{noise}{drift}"
         )
 
 
@@ -78,8 +97,8 @@ def kendall_tau(first: Sequence[float], second: Sequence[float]) -> float | None
     """Kendall's tau-b of two equally long sequences; None when either is constant or short.
 
     Example:
-        >>> kendall_tau([1, 2, 3], [10, 30, 20])
-        0.3333333333333333
+        >>> round(kendall_tau([1, 2, 3], [10, 30, 20]), 4)
+        0.3333
     """
     if len(first) != len(second):
         raise ValueError(
@@ -114,7 +133,7 @@ def best_gap(predicted: Sequence[float], measured: Sequence[float]) -> float:
     """How much slower the layout predicted fastest measured than the fastest measured.
 
     Example:
-        >>> best_gap([1.0, 2.0, 3.0], [110.0, 100.0, 120.0])
+        >>> round(best_gap([1.0, 2.0, 3.0], [110.0, 100.0, 120.0]), 4)
         0.1
     """
     _check_pairs(predicted, measured)
@@ -146,13 +165,30 @@ def accuracy(
     predicted: Sequence[float],
     measured: Sequence[float],
     runs: Sequence[Sequence[float]] = (),
+    machine_drift: float | None = None,
 ) -> Accuracy:
-    """All three figures for layouts predicted at `predicted` that measured `measured`,
-    and with each layout's `runs`, their `repeat_error`."""
+    """All three figures for layouts predicted at `predicted` that measured `measured`;
+    with each layout's `runs`, their `repeat_error`; with the machine's `machine_drift`
+    since planning, the MAPE of the predictions at the machine's new speed.
+
+    Example:
+        >>> figures = accuracy([10.0, 20.0], [12.0, 24.0], machine_drift=1.2)
+        >>> round(figures.mape, 3), round(figures.drift_corrected_mape, 3)
+        (0.167, 0.0)
+    """
+    if machine_drift is not None and machine_drift <= 0:
+        raise ValueError(f"machine_drift must be > 0. Received: {machine_drift}")
+    corrected = None
+    if machine_drift is not None:
+        corrected = mean_absolute_percentage_error(
+            [time * machine_drift for time in predicted], measured
+        )
     return Accuracy(
         count=len(measured),
         mape=mean_absolute_percentage_error(predicted, measured),
         kendall_tau=kendall_tau(predicted, measured),
         best_gap=best_gap(predicted, measured),
         repeat_error=repeat_error(runs),
+        machine_drift=machine_drift,
+        drift_corrected_mape=corrected,
     )

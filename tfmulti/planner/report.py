@@ -95,9 +95,12 @@ def layout_json(layout: Layout, costs: ModelCosts, global_batch: int) -> dict:
     }
 
 
-def validation_accuracy(measurements: Sequence[Measurement]) -> Accuracy | None:
+def validation_accuracy(
+    measurements: Sequence[Measurement], machine_drift: float | None = None
+) -> Accuracy | None:
     """MAPE, Kendall tau, best gap and the runs' own repeat error over the layouts that
-    ran, or None if none did."""
+    ran (with `machine_drift`, the MAPE at the machine's speed while they ran too), or
+    None if none did."""
     ran = [m for m in measurements if m.measured_step_time is not None]
     if not ran:
         return None
@@ -105,6 +108,7 @@ def validation_accuracy(measurements: Sequence[Measurement]) -> Accuracy | None:
         [m.layout.step_time for m in ran],
         [m.measured_step_time for m in ran],
         [m.run_step_times for m in ran],
+        machine_drift,
     )
 
 
@@ -115,8 +119,11 @@ def _run_spread(run_step_times: Sequence[float]) -> str:
     return f"+{100 * (max(run_step_times) / min(run_step_times) - 1):.0f}%"
 
 
-def format_validation(measurements: Sequence[Measurement]) -> str:
-    """Predicted against measured step time per layout, failures, then the three figures."""
+def format_validation(
+    measurements: Sequence[Measurement], machine_drift: float | None = None
+) -> str:
+    """Predicted against measured step time per layout, failures, then the three figures
+    (and the machine's drift since planning, when re-timed)."""
     rows = []
     for rank, measurement in enumerate(measurements, 1):
         predicted = layout_row(rank, measurement.layout)
@@ -147,6 +154,6 @@ def format_validation(measurements: Sequence[Measurement]) -> str:
     failures = [
         f"{rank}: {m.error}" for rank, m in enumerate(measurements, 1) if m.error is not None
     ]
-    figures = validation_accuracy(measurements)
+    figures = validation_accuracy(measurements, machine_drift)
     summary = [f"\n{figures.summary()}"] if figures else []
     return "\n".join([format_table(rows, columns), *failures, *summary])

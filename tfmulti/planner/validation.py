@@ -39,6 +39,8 @@ _SCRIPTS = os.path.join(
 )
 TRAIN_SCRIPT = os.path.join(_SCRIPTS, "train.py")
 LAUNCH_SCRIPT = os.path.join(_SCRIPTS, "launch.py")
+# The one-device layout: `scripts/train.py --strategy=one_device`, the model's anchor.
+ONE_DEVICE = Layout(HybridMesh(), None, 1, 1, (), 0.0, 0.0, 0.0, 0.0, 0.0)
 # What scripts/launch.py puts before each line of a worker other than the chief.
 _OTHER_WORKER_LINE = re.compile(r"^\[worker [1-9][0-9]*\] ")
 
@@ -254,9 +256,8 @@ def one_device_steps(
     Raises:
         ValueError: a run failed; the message names the batch size and the run's last line.
     """
-    one_device = Layout(HybridMesh(), None, 1, 1, (), 0.0, 0.0, 0.0, 0.0, 0.0)
     runs, errors = _timed_runs(
-        [(one_device, train_flags(one_device, costs, size)) for size in batch_sizes],
+        [(ONE_DEVICE, train_flags(ONE_DEVICE, costs, size)) for size in batch_sizes],
         work_dir,
         "one_device",
         epochs=epochs,
