@@ -192,8 +192,8 @@ flags.DEFINE_bool(
     "validate_anchor",
     True,
     "With --validate on an anchored model: also run the one-device anchor at --global_batch "
-    "in each round, and report how much faster or slower the machine ran than when the "
-    "model was anchored, with the MAPE at that speed.",
+    "in each round, report how much faster or slower it ran than when the model was "
+    "anchored, and the MAPE with the model anchored on its fastest run of all.",
 )
 flags.DEFINE_string("validate_dir", None, "Where --validate runs write (default: a temp dir).")
 flags.DEFINE_multi_string(

@@ -99,8 +99,8 @@ def validation_accuracy(
     measurements: Sequence[Measurement], machine_drift: float | None = None
 ) -> Accuracy | None:
     """MAPE, Kendall tau, best gap and the runs' own repeat error over the layouts that
-    ran (with `machine_drift`, the MAPE at the machine's speed while they ran too), or
-    None if none did."""
+    ran (with the anchor's `machine_drift`, the MAPE on its fastest run too), or None if
+    none did."""
     ran = [m for m in measurements if m.measured_step_time is not None]
     if not ran:
         return None
@@ -123,7 +123,7 @@ def format_validation(
     measurements: Sequence[Measurement], machine_drift: float | None = None
 ) -> str:
     """Predicted against measured step time per layout, failures, then the three figures
-    (and the machine's drift since planning, when re-timed)."""
+    (and the anchor's drift since planning, when re-timed)."""
     rows = []
     for rank, measurement in enumerate(measurements, 1):
         predicted = layout_row(rank, measurement.layout)
