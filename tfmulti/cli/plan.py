@@ -516,6 +516,8 @@ def _plan(argv: list[str]) -> None:
             "(scripts/train.py, median step after the first epoch):\n"
         )
         print(format_validation(measurements, drift))
+        if anchor_check and anchor_check["error"]:
+            print(f"The one-device anchor failed among the layouts: {anchor_check['error']}")
 
 
 def main() -> None:

@@ -55,7 +55,7 @@ class Accuracy:
 
     def summary(self) -> str:
         """'MAPE 7.2%, Kendall tau 0.79, predicted best 1.3% slower than ...', and on a
-        second line the machine's drift, when re-timed."""
+        second line the anchor's drift since planning, when re-timed."""
         tau = "-" if self.kendall_tau is None else f"{self.kendall_tau:.2f}"
         noise = ""
         if self.repeat_error is not None:
