@@ -84,6 +84,16 @@ USER_MODULE = textwrap.dedent(
 
     def not_callbacks():
         return ["EarlyStopping"]
+
+
+    class FailAtBatch2(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                raise RuntimeError("the user's callback failed at batch 2")
+
+
+    def failing():
+        return [FailAtBatch2()]
     """
 )
 RUN = (
@@ -287,3 +297,22 @@ def test_wrong_callbacks_or_schedule_is_one_line_and_writes_nothing(
     assert "Traceback" not in result.stderr
     assert named in last_line(result.stderr)
     assert not model_dir.exists() or not any(model_dir.iterdir())
+
+
+def test_a_fit_that_raises_leaves_no_preemption_scratch_behind(user_env, tmp_path):
+    """Keras skips on_train_end when fit raises; the trainer still removes the preemption
+    handler's scratch directory (and gives SIGTERM back)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    result = run_script(
+        "train.py",
+        "--model=user_hooks:small_mlp",
+        *RUN,
+        "--epochs=1",
+        "--callbacks=user_hooks:failing",
+        f"--model_dir={tmp_path / 'run'}",
+        env={**user_env, "TMPDIR": str(scratch)},
+    )
+    assert result.returncode != 0
+    assert "the user's callback failed at batch 2" in result.stderr
+    assert not [name for name in os.listdir(scratch) if name.startswith("tfmulti-preemption-")]

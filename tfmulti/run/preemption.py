@@ -84,7 +84,7 @@ class SaveOnPreemption(keras.callbacks.Callback):
             self._raise(epoch + 1, 0, self.step_checkpoint.last_saved)
 
     def on_train_end(self, logs=None):
-        self._release()
+        self.release()
 
     def _save(self) -> None:
         epoch, step = self.step_checkpoint.position
@@ -100,11 +100,14 @@ class SaveOnPreemption(keras.callbacks.Callback):
         self._raise(epoch, step, path)
 
     def _raise(self, epoch: int, step: int, checkpoint: str) -> None:
-        self._release()
+        self.release()
         raise Preempted(epoch, step, checkpoint)
 
-    def _release(self) -> None:
-        """Gives SIGTERM back to its previous handler, so a late one ends the process."""
+    def release(self) -> None:
+        """Gives SIGTERM back to its previous handler, so a late one ends the process, and
+        removes the handler's scratch directory. Called when training ends or is preempted,
+        and by the trainer after a `fit` that raised anything else; calling again does
+        nothing."""
         if self._previous_sigterm is not None:
             signal.signal(signal.SIGTERM, self._previous_sigterm)
             self._previous_sigterm = None

@@ -343,6 +343,11 @@ def train(config: TrainConfig) -> dict:
             preempted.epoch + 1, preempted.step, os.path.basename(preempted.checkpoint), time.time()
         )
         raise
+    finally:
+        # Keras skips on_train_end when fit raises: give SIGTERM back, remove the scratch.
+        for callback in callbacks:
+            if isinstance(callback, SaveOnPreemption):
+                callback.release()
     if nan_guard.failure:
         last_good = latest_checkpoint(os.path.join(output_dir, "checkpoints"))
         message = f"{nan_guard.failure}; last good checkpoint: {last_good or 'none yet'}"
