@@ -34,7 +34,7 @@ format: venv
 	$(BIN)/ruff check --fix .
 
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --timeout=900 --durations=40 tests
+	$(BIN)/python -m pytest -q -n 2 --timeout=900 -o faulthandler_timeout=120 --durations=40 tests
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

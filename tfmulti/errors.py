@@ -31,9 +31,21 @@ class Preempted(RuntimeError):
         )
 
 
+class Terminated(RuntimeError):
+    """A run with nothing to resume (a benchmark's timed steps) got SIGTERM and stopped.
+
+    Its exit code is the shell's for a process ended by SIGTERM (128 + 15).
+    """
+
+    exit_code = 143
+
+    def __init__(self):
+        super().__init__("stopped by SIGTERM before it finished; nothing was saved to resume")
+
+
 class IncompatibleCheckpoint(ValueError):
     """A checkpoint holds the training state of another model or layout than the one
     built to resume it; the message says so in one line."""
 
 
-USER_ERRORS = (ValueError, TrainingError, FileNotFoundError, Preempted)
+USER_ERRORS = (ValueError, TrainingError, FileNotFoundError, Preempted, Terminated)

@@ -23,7 +23,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfmulti.errors import Preempted
+from tfmulti.errors import Preempted, Terminated
 from tfmulti.platform.connected_cluster import serving_worker_got_sigterm
 from tfmulti.run.step_checkpoint import StepCheckpoint
 
@@ -38,14 +38,16 @@ class SaveOnPreemption(keras.callbacks.Callback):
 
     Args:
         step_checkpoint: the run's step checkpoints (a private directory on non-chief
-            workers, as for its own saves).
+            workers, as for its own saves); None for steps that are only timed (the
+            planner's benchmarks), which SIGTERM ends with `Terminated`, saving nothing.
         cluster_resolver: the multi-worker strategy's resolver; None on one process.
 
     Raises:
         Preempted: from `fit`, once the checkpoint is saved.
+        Terminated: from `fit`, without a step checkpoint.
     """
 
-    def __init__(self, step_checkpoint: StepCheckpoint, cluster_resolver=None):
+    def __init__(self, step_checkpoint: StepCheckpoint | None, cluster_resolver=None):
         super().__init__()
         self.step_checkpoint = step_checkpoint
         self.cluster_resolver = cluster_resolver
@@ -87,6 +89,8 @@ class SaveOnPreemption(keras.callbacks.Callback):
         self.release()
 
     def _save(self) -> None:
+        if self.step_checkpoint is None:
+            return
         epoch, step = self.step_checkpoint.position
         if step >= self.step_checkpoint.steps_per_epoch:
             self._ends_with_epoch = True
@@ -94,6 +98,9 @@ class SaveOnPreemption(keras.callbacks.Callback):
         self._saved = (epoch, step, self.step_checkpoint.save(epoch, step))
 
     def _exit(self) -> None:
+        if self.step_checkpoint is None:
+            self.release()
+            raise Terminated()
         if self._ends_with_epoch:
             return
         epoch, step, path = self._saved

@@ -154,7 +154,8 @@ def timing_callbacks(scratch_dir: str) -> list[keras.callbacks.Callback]:
 
     The planner times its benchmarks and a model's one-device step with them
     (`machine_benchmarks.timed_with_callbacks`), so what they add to each step is in its
-    predictions.
+    predictions. Their preemption check has nothing to save: SIGTERM ends the timed
+    `fit` with `Terminated`.
     """
     output_dir = tempfile.mkdtemp(dir=scratch_dir)
     config = TrainConfig(run=RunConfig(model_dir=output_dir))
@@ -162,7 +163,7 @@ def timing_callbacks(scratch_dir: str) -> list[keras.callbacks.Callback]:
         config, output_dir, RunRecord(output_dir, {}), steps_per_epoch=1000
     )
     return [
-        callback
+        SaveOnPreemption(None) if isinstance(callback, SaveOnPreemption) else callback
         for callback in callbacks
         if not isinstance(callback, (EpochCheckpoint, StepCheckpoint))
     ]
