@@ -4,6 +4,8 @@ Scripts print these as one line and exit non-zero; anything else is a bug
 and keeps its traceback.
 """
 
+import signal
+
 from tfmulti.names import PREEMPTED_EXIT_CODE
 
 
@@ -34,10 +36,10 @@ class Preempted(RuntimeError):
 class Terminated(RuntimeError):
     """A run with nothing to resume (a benchmark's timed steps) got SIGTERM and stopped.
 
-    Its exit code is the shell's for a process ended by SIGTERM (128 + 15).
+    Its exit code is the shell's for a process ended by SIGTERM (143).
     """
 
-    exit_code = 143
+    exit_code = 128 + signal.SIGTERM
 
     def __init__(self):
         super().__init__("stopped by SIGTERM before it finished; nothing was saved to resume")
