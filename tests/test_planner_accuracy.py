@@ -645,7 +645,7 @@ def test_a_layouts_fastest_run_counts_so_a_slow_spell_over_one_run_does_not(monk
     )
 
 
-def test_one_device_steps_run_train_py_at_each_size_in_rounds_and_keep_the_fastest(
+def test_anchor_steps_run_train_py_at_each_size_in_rounds_and_keep_the_fastest(
     monkeypatch,
 ):
     from tfmulti.planner import validation
@@ -660,14 +660,14 @@ def test_one_device_steps_run_train_py_at_each_size_in_rounds_and_keep_the_faste
 
     monkeypatch.setattr(validation, "run_timed_training", run_layout)
     costs = ModelCosts("mlp", {}, "digits", None, (), measured_batch_sizes=(4, 32))
-    steps = validation.one_device_steps(costs, [4, 32], "/nonexistent", repeats=2)
-    assert steps == [0.02, 0.08]
+    steps, data_parallel = validation.anchor_steps(costs, [4, 32], "/nonexistent", repeats=2)
+    assert steps == [0.02, 0.08] and data_parallel is None
     sizes = [[a for a in command if a.startswith("--batch_size=")] for command in commands]
     assert sizes == [["--batch_size=4"], ["--batch_size=32"]] * 2
     assert all("--strategy=one_device" in command for command in commands)
     monkeypatch.setattr(validation, "run_timed_training", lambda *args: (None, "Killed"))
     with pytest.raises(ValueError, match="at batch 4: Killed .*--anchor_repeats=0"):
-        validation.one_device_steps(costs, [4, 32], "/nonexistent")
+        validation.anchor_steps(costs, [4, 32], "/nonexistent")
 
 
 def test_anchoring_takes_the_steps_cost_per_example_and_its_excess_fixed_part_once():
@@ -710,8 +710,8 @@ def test_the_scripts_overhead_is_paid_once_a_step_whatever_the_layout():
 
 def test_plan_scales_the_measured_blocks_to_train_py_one_device_steps(tmp_path):
     """plan.py with machine costs (read from the cache) times train.py on one device at
-    each measured batch size, as --validate times a layout, and anchors the saved costs on
-    those steps."""
+    each measured batch size and data-parallel on all devices, as --validate times a
+    layout, and anchors the saved costs on those steps."""
     from tfmulti.costing.cost_cache import CostCache
     from tfmulti.planner.machine_benchmarks import machine_key, timed_with_callbacks
 
@@ -733,6 +733,7 @@ def test_plan_scales_the_measured_blocks_to_train_py_one_device_steps(tmp_path):
         "--validate_repeats=1",
         "--validate_epochs=2",
         "--validate_steps=3",
+        "--top=100",
         f"--cost_cache={tmp_path / 'cache.json'}",
         f"--save_costs={saved}",
         "--json",
@@ -754,8 +755,20 @@ def test_plan_scales_the_measured_blocks_to_train_py_one_device_steps(tmp_path):
         b.forward_seconds.fixed + b.backward_seconds.fixed for b in blocks
     )
     assert costs.run_overhead == pytest.approx(max(line.fixed - fixed, 0.0))
-    layouts = json.loads(result.stdout)["layouts"]
+    output = json.loads(result.stdout)
+    layouts = output["layouts"]
     assert all(layout["overhead_time"] >= costs.run_overhead for layout in layouts)
+    # train.py's data-parallel step on both devices ran in the same rounds; the 2 x 1 x 1
+    # layout is predicted on the overlap curve anchored on it.
+    step = costs.data_parallel_step
+    assert (step.devices, step.batch) == (2, 16) and step.seconds > 0
+    assert output["model_data_parallel_step"] == dataclasses.asdict(step)
+    (mirrored,) = [layout for layout in layouts if layout["mesh"]["data"] == 2]
+    scale = output["overlap_scale"]
+    if 0.0 < scale < 1e3:
+        assert mirrored["step_time"] == pytest.approx(step.seconds, rel=1e-6)
+    else:  # the step lay beyond what no overlap or full overlap predicts
+        assert (mirrored["step_time"] < step.seconds) == (scale == 0.0)
 
 
 def test_every_benchmark_runs_with_a_training_runs_callbacks(tmp_path, monkeypatch):

@@ -37,19 +37,21 @@ from tfmulti.flags.console_flags import define_console_flags
 from tfmulti.flags.parsing import run_script
 from tfmulti.flags.training_flags import define_data_flags, parse_model_option
 from tfmulti.planner import Hardware, load_costs, save_costs, search_layouts
+from tfmulti.planner.overlap_anchor import anchored_overlap
 from tfmulti.planner.report import (
     format_layouts,
     format_validation,
     layout_json,
     validation_accuracy,
 )
+from tfmulti.planner.search import model_hardware
 from tfmulti.planner.train_flags import train_flags
 from tfmulti.planner.validation import (
     ONE_DEVICE,
     accepts_flags,
+    anchor_steps,
     distinct_layouts,
     measure_layouts,
-    one_device_steps,
 )
 from tfmulti.user_code import is_function_reference
 
@@ -166,6 +168,13 @@ flags.DEFINE_integer(
     "the statistic its layouts are checked by; 0: keep the blocks as timed in plan.py, "
     "whose cost per example can be off by half).",
     lower_bound=0,
+)
+flags.DEFINE_bool(
+    "anchor_data_parallel",
+    True,
+    "With the anchor: also time scripts/train.py's data-parallel step on all --devices "
+    "(one host) at --global_batch in the anchor's rounds, and score the layouts without a "
+    "pipe axis on the model's overlap curve scaled to match it.",
 )
 flags.DEFINE_integer("top", 5, "Layouts to print.", lower_bound=1)
 flags.DEFINE_integer("max_microbatches", 32, "Largest micro-batch count tried.", lower_bound=1)
@@ -325,21 +334,34 @@ def _anchor_repeats() -> int:
 
 
 def _anchored(costs, machine):
-    """`costs` anchored on scripts/train.py's one-device steps (`anchored_to_steps`), run
-    and counted as --validate runs and counts a layout."""
+    """`costs` anchored on scripts/train.py's one-device steps (`anchored_to_steps`) and,
+    with --anchor_data_parallel, its data-parallel step on all devices of one host
+    (`overlap_anchor`), run and counted as --validate runs and counts a layout."""
     from tfmulti.planner.measure import anchored_to_steps
 
     with tempfile.TemporaryDirectory(prefix="plan_anchor_") as work_dir:
-        seconds = one_device_steps(
+        seconds, data_parallel_step = anchor_steps(
             costs,
             costs.measured_batch_sizes,
             work_dir,
+            data_parallel=_data_parallel_anchor(),
             epochs=FLAGS.validate_epochs,
             steps_per_epoch=FLAGS.validate_steps,
             repeats=_anchor_repeats(),
         )
     variables = sum(block.variables for block in costs.blocks)
-    return anchored_to_steps(costs, seconds, machine.step_seconds(variables))
+    anchored = anchored_to_steps(costs, seconds, machine.step_seconds(variables))
+    return dataclasses.replace(anchored, data_parallel_step=data_parallel_step)
+
+
+def _data_parallel_anchor() -> tuple[int, int] | None:
+    """(devices, global batch) of the data-parallel anchor, or None: not asked for, one
+    device, several hosts, or a global batch the devices do not divide."""
+    devices = _total_devices()
+    wanted = FLAGS.anchor_data_parallel and FLAGS.hosts == 1 and devices >= 2
+    if not wanted or FLAGS.global_batch % devices:
+        return None
+    return devices, FLAGS.global_batch
 
 
 def _planned_anchor_step(costs) -> float | None:
@@ -498,6 +520,10 @@ def _plan(argv: list[str]) -> None:
             "model_serial_fraction": costs.serial_fraction,
             "model_serial_fractions": list(costs.serial_fractions),
             "model_anchor_steps": list(costs.anchor_steps),
+            "model_data_parallel_step": (
+                dataclasses.asdict(costs.data_parallel_step) if costs.data_parallel_step else None
+            ),
+            "overlap_scale": anchored_overlap(costs, model_hardware(costs, hardware))[1],
             "anchor_check": anchor_check,
         }
         if figures is not None:

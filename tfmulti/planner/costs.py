@@ -108,6 +108,29 @@ class BlockCost:
 
 
 @dataclasses.dataclass(frozen=True)
+class DataParallelStep:
+    """`scripts/train.py --strategy=mirrored`'s step of the model: the data-parallel run
+    the model's overlap curve is anchored on (`tfmulti.planner.overlap_anchor`).
+
+    Args:
+        devices: replicas (logical devices) it ran on.
+        batch: global batch it ran at.
+        seconds: its step, counted as the validation counts a layout's.
+    """
+
+    devices: int
+    batch: int
+    seconds: float
+
+    def __post_init__(self):
+        if self.devices < 2 or self.batch < self.devices or self.seconds <= 0:
+            raise ValueError(
+                "A data-parallel step runs on 2 or more devices, at least one example "
+                f"each, in a positive time. Received: {self}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelCosts:
     """Costs of every block of a model, and what they were measured on.
 
@@ -133,6 +156,8 @@ class ModelCosts:
             the blocks were scaled to a step timed in the measuring process, or not at all.
         run_overhead: seconds a `scripts/train.py` step adds once, beyond the framework's
             step cost and the blocks (its input pipeline and loop), paid by every layout.
+        data_parallel_step: train.py's data-parallel step, which the overlap curve of
+            the layouts without a pipe axis is anchored on; None: not timed.
     """
 
     model: str
@@ -147,6 +172,7 @@ class ModelCosts:
     serial_fractions: tuple[float, ...] = ()
     anchor_steps: tuple[float, ...] = ()
     run_overhead: float = 0.0
+    data_parallel_step: DataParallelStep | None = None
 
     def to_json(self) -> dict:
         """The cost file's JSON object."""
@@ -189,6 +215,11 @@ class ModelCosts:
                 serial_fractions=tuple(data.get("serial_fractions", ())),
                 anchor_steps=tuple(map(float, data.get("anchor_steps", ()))),
                 run_overhead=float(data.get("run_overhead", 0.0)),
+                data_parallel_step=(
+                    DataParallelStep(**data["data_parallel_step"])
+                    if data.get("data_parallel_step")
+                    else None
+                ),
             )
         except (KeyError, TypeError) as error:
             raise ValueError(

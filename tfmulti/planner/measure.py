@@ -223,7 +223,7 @@ def anchored_to_steps(
     costs: ModelCosts, seconds: Sequence[float], step_framework: float
 ) -> ModelCosts:
     """`costs` anchored on the one-device steps `seconds`, one per measured batch size
-    (`validation.one_device_steps`: scripts/train.py's), given the framework's cost of a
+    (`validation.anchor_steps`: scripts/train.py's), given the framework's cost of a
     step.
 
     The blocks keep the fixed part of the step they add up to (with the framework's), timed

@@ -26,6 +26,7 @@ from tfmulti.pipeline.schedules import (
 )
 from tfmulti.planner.costs import Hardware, ModelCosts, blocks_at
 from tfmulti.planner.hosts import cross_host_axes, hosts_used
+from tfmulti.planner.overlap_anchor import anchored_overlap
 from tfmulti.planner.scoring import Layout, score_layout
 from tfmulti.platform.mesh import HybridMesh
 
@@ -80,7 +81,8 @@ def search_layouts(
         global_batch: examples per step over all replicas.
         hardware: bandwidth, parameter-state bytes and memory per device; the model's
             own serial fractions (`costs.serial_fraction(s)`), when measured, replace its
-            machine's.
+            machine's; with `costs.data_parallel_step`, the layouts without a pipe axis
+            are scored on that curve anchored on it (`overlap_anchor`).
         allow_fewer_devices: also consider meshes of a divisor of `num_devices`.
         max_microbatches: largest micro-batch count tried.
         max_chunks: largest chunk count tried for interleaved 1F1B.
@@ -97,13 +99,8 @@ def search_layouts(
             "The devices must split evenly over the hosts. "
             f"Received: num_devices={num_devices}, hosts={hosts}"
         )
-    if hardware.machine is not None and costs.serial_fraction is not None:
-        machine = dataclasses.replace(
-            hardware.machine,
-            serial_fraction=costs.serial_fraction,
-            serial_fractions=costs.serial_fractions,
-        )
-        hardware = dataclasses.replace(hardware, machine=machine)
+    hardware = model_hardware(costs, hardware)
+    pipeless_hardware, _ = anchored_overlap(costs, hardware)
     blocks_for = functools.lru_cache(maxsize=None)(
         lambda microbatch_size, tensor: tuple(blocks_at(costs, microbatch_size, tensor, hardware))
     )
@@ -129,12 +126,25 @@ def search_layouts(
                 mesh,
                 (schedule, num_microbatches, chunks),
                 (mesh_hosts, cross_host_axis),
-                hardware,
+                hardware if mesh.pipe > 1 else pipeless_hardware,
                 costs,
             )
             if best is not None:
                 layouts.append(best)
     return sorted(layouts, key=_rank)
+
+
+def model_hardware(costs: ModelCosts, hardware: Hardware) -> Hardware:
+    """`hardware` with the model's own serial fractions, when measured, in place of its
+    machine's."""
+    if hardware.machine is None or costs.serial_fraction is None:
+        return hardware
+    machine = dataclasses.replace(
+        hardware.machine,
+        serial_fraction=costs.serial_fraction,
+        serial_fractions=costs.serial_fractions,
+    )
+    return dataclasses.replace(hardware, machine=machine)
 
 
 def _rank(layout: Layout) -> tuple:

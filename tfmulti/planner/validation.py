@@ -28,7 +28,7 @@ import sys
 from collections.abc import Sequence
 
 from tfmulti.pipeline.schedules import build_schedule
-from tfmulti.planner.costs import ModelCosts
+from tfmulti.planner.costs import DataParallelStep, ModelCosts
 from tfmulti.planner.scoring import Layout
 from tfmulti.planner.train_flags import launch_flags, train_flags
 from tfmulti.platform.mesh import HybridMesh
@@ -234,32 +234,44 @@ def run_timed_training(
     return [min(epoch["step_time_ms"] for epoch in epochs) / 1000.0], None
 
 
-def one_device_steps(
+def anchor_steps(
     costs: ModelCosts,
     batch_sizes: Sequence[int],
     work_dir: str,
     *,
+    data_parallel: tuple[int, int] | None = None,
     epochs: int = 3,
     steps_per_epoch: int = 10,
     repeats: int = 2,
     timeout: float = 900,
-) -> list[float]:
-    """`scripts/train.py`'s one-device step of `costs.model` at each of `batch_sizes`, run
-    and timed as `measure_layouts` runs a layout (the sizes in turn, `repeats` rounds,
-    each size's fastest run counts).
+) -> tuple[list[float], DataParallelStep | None]:
+    """`scripts/train.py`'s one-device step of `costs.model` at each of `batch_sizes`, and
+    with `data_parallel` = (devices, global batch) its data-parallel step there
+    (`--strategy=mirrored`), run and timed as `measure_layouts` runs a layout (all in
+    turn, `repeats` rounds, each one's fastest run counts).
 
     A step measured inside another process can differ from train.py's by a third
     (what else that process built and ran changes it), so the planner anchors the
-    model on these steps (`measure.anchored_to_steps`), the ones its layouts are
-    checked against.
+    model on these steps (`measure.anchored_to_steps`, `overlap_anchor`), the ones its
+    layouts are checked against.
+
+    Returns:
+        (the one-device steps in the order of `batch_sizes`, the data-parallel step or None).
 
     Raises:
-        ValueError: a run failed; the message names the batch size and the run's last line.
+        ValueError: a run failed; the message names the run and its last line.
     """
-    runs, errors = _timed_runs(
-        [(ONE_DEVICE, train_flags(ONE_DEVICE, costs, size)) for size in batch_sizes],
+    runs = [(ONE_DEVICE, train_flags(ONE_DEVICE, costs, size)) for size in batch_sizes]
+    names = [f"on one device at batch {size}" for size in batch_sizes]
+    if data_parallel is not None:
+        devices, global_batch = data_parallel
+        layout = dataclasses.replace(ONE_DEVICE, mesh=HybridMesh(data=devices))
+        runs.append((layout, train_flags(layout, costs, global_batch)))
+        names.append(f"data-parallel on {devices} devices at batch {global_batch}")
+    times, errors = _timed_runs(
+        runs,
         work_dir,
-        "one_device",
+        "anchor",
         epochs=epochs,
         steps_per_epoch=steps_per_epoch,
         repeats=repeats,
@@ -268,10 +280,14 @@ def one_device_steps(
     if errors:
         index, error = min(errors.items())
         raise ValueError(
-            f"scripts/train.py failed on one device at batch {batch_sizes[index]}: {error} "
+            f"scripts/train.py failed {names[index]}: {error} "
             "(fix the model or data, or pass --anchor_repeats=0 to plan.py)"
         )
-    return [min(map(statistics.median, runs[index])) for index in range(len(batch_sizes))]
+    fastest = [min(map(statistics.median, times[index])) for index in range(len(runs))]
+    if data_parallel is None:
+        return fastest, None
+    *one_device, data_parallel_seconds = fastest
+    return one_device, DataParallelStep(*data_parallel, data_parallel_seconds)
 
 
 def _timed_runs(
