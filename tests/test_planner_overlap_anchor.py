@@ -161,3 +161,31 @@ def test_the_anchor_times_the_data_parallel_step_in_the_one_device_steps_rounds(
     monkeypatch.setattr(validation, "run_timed_training", fail_mirrored)
     with pytest.raises(ValueError, match="data-parallel on 2 devices at batch 32: Killed"):
         validation.anchor_steps(costs, [4, 32], "/nonexistent", data_parallel=(2, 32))
+
+
+def test_the_expected_fastest_of_k_runs_is_the_mean_over_every_k_of_them():
+    import itertools
+    import statistics
+
+    from tfmulti.planner.validation import expected_fastest
+
+    runs = [0.031, 0.027, 0.044, 0.029, 0.035, 0.030]
+    for draws in range(1, len(runs) + 1):
+        every = [min(subset) for subset in itertools.combinations(runs, draws)]
+        assert expected_fastest(runs, draws) == pytest.approx(statistics.mean(every))
+    assert expected_fastest(runs, len(runs)) == min(runs)
+    assert expected_fastest(runs, 1) == pytest.approx(statistics.mean(runs))
+    with pytest.raises(ValueError, match="draws <= 6"):
+        expected_fastest(runs, 7)
+
+
+def test_anchor_runs_beyond_the_counted_ones_count_as_their_expected_fastest(monkeypatch):
+    from tfmulti.planner import validation
+
+    # Four runs of the one-device step at batch 8 (one round each): medians 4, 1, 3, 2.
+    runs = iter([[0.004], [0.001], [0.003], [0.002]])
+    monkeypatch.setattr(validation, "run_timed_training", lambda *args: (next(runs), None))
+    costs = ModelCosts("mlp", {}, "digits", None, (), measured_batch_sizes=(8,))
+    steps, _ = validation.anchor_steps(costs, [8], "/nonexistent", repeats=4, counted_runs=2)
+    # Of the six pairs, 1 is the fastest of three, 2 of two, 3 of one.
+    assert steps == [pytest.approx((3 * 0.001 + 2 * 0.002 + 0.003) / 6)]

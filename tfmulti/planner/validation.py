@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import statistics
@@ -243,12 +244,15 @@ def anchor_steps(
     epochs: int = 3,
     steps_per_epoch: int = 10,
     repeats: int = 2,
+    counted_runs: int | None = None,
     timeout: float = 900,
 ) -> tuple[list[float], DataParallelStep | None]:
     """`scripts/train.py`'s one-device step of `costs.model` at each of `batch_sizes`, and
     with `data_parallel` = (devices, global batch) its data-parallel step there
     (`--strategy=mirrored`), run and timed as `measure_layouts` runs a layout (all in
-    turn, `repeats` rounds, each one's fastest run counts).
+    turn, `repeats` rounds). Each one's step is the fastest of `counted_runs` runs, as
+    a layout run `counted_runs` times counts: with more runs than that, its expected
+    value over them (`expected_fastest`), steadier than one fastest run.
 
     A step measured inside another process can differ from train.py's by a third
     (what else that process built and ran changes it), so the planner anchors the
@@ -283,11 +287,36 @@ def anchor_steps(
             f"scripts/train.py failed {names[index]}: {error} "
             "(fix the model or data, or pass --anchor_repeats=0 to plan.py)"
         )
-    fastest = [min(map(statistics.median, times[index])) for index in range(len(runs))]
+    counted = repeats if counted_runs is None else min(counted_runs, repeats)
+    fastest = [
+        expected_fastest(list(map(statistics.median, times[index])), counted)
+        for index in range(len(runs))
+    ]
     if data_parallel is None:
         return fastest, None
     *one_device, data_parallel_seconds = fastest
     return one_device, DataParallelStep(*data_parallel, data_parallel_seconds)
+
+
+def expected_fastest(values: Sequence[float], draws: int) -> float:
+    """The expected fastest of `draws` of `values` drawn at random without replacement:
+    an L-estimator over the sorted values, weighting the i-th fastest (from 0) by the
+    chance that it is the fastest drawn, C(n - 1 - i, draws - 1) / C(n, draws). All of
+    them: the fastest; one: the mean.
+
+    Example:
+        >>> expected_fastest([3.0, 1.0, 2.0], 2)  # pairs 1|2, 1|3, 2|3
+        1.3333333333333333
+    """
+    count = len(values)
+    if not 1 <= draws <= count:
+        raise ValueError(f"Need 1 <= draws <= {count} values. Received: draws={draws}")
+    ordered = sorted(values)
+    total = math.comb(count, draws)
+    return sum(
+        value * math.comb(count - 1 - index, draws - 1) / total
+        for index, value in enumerate(ordered)
+    )
 
 
 def _timed_runs(
