@@ -413,7 +413,7 @@ def test_machine_costs_are_measured_once_then_read_from_the_cost_cache(tmp_path,
     assert machine_benchmarks.machine_costs(devices, CostCache(path)) == MACHINE
     assert len(calls) == 1
     with open(path) as file:
-        assert json.load(file)["machine"]["devices=4,timing=2"] == MACHINE.to_json()
+        assert json.load(file)["machine"]["devices=4,timing=3"] == MACHINE.to_json()
     machine_benchmarks.machine_costs(devices, CostCache(path), remeasure=True)
     assert len(calls) == 2
     # Timed with a training run's callbacks, the costs are another entry, measured anew.
@@ -423,8 +423,8 @@ def test_machine_costs_are_measured_once_then_read_from_the_cost_cache(tmp_path,
     assert len(calls) == 3
     with open(path) as file:
         assert set(json.load(file)["machine"]) == {
-            "devices=4,timing=2",
-            "devices=4,timing=2,callbacks",
+            "devices=4,timing=3",
+            "devices=4,timing=3,callbacks",
         }
 
 
@@ -447,6 +447,12 @@ def test_allreduce_and_device_overlap_are_measured_on_logical_devices():
     # The hybrid executor's copies, timed for real: one spread per model timed.
     terms = machine_benchmarks._executor_replica_seconds(devices, 1e-5, latency, spreads)
     assert len(spreads) == 10 and all(term >= 0 for term in terms)
+    # A tensor group's all-reduce inside a step: a chain of them, less none, at two sizes.
+    in_graph_latency, in_graph_bandwidth = machine_benchmarks._tensor_allreduce_costs(
+        devices, spreads
+    )
+    assert in_graph_latency > 0 and in_graph_bandwidth > 0 and len(spreads) == 14
+    assert machine_benchmarks._tensor_allreduce_costs(devices[:1], spreads) == (None, None)
 
 
 def test_a_models_own_overlap_is_measured_on_logical_devices_with_its_copies():

@@ -159,7 +159,10 @@ def test_the_anchor_times_the_data_parallel_step_in_the_one_device_steps_rounds(
         return (None, "Killed") if "--strategy=mirrored" in command else ([0.01], None)
 
     monkeypatch.setattr(validation, "run_timed_training", fail_mirrored)
-    with pytest.raises(ValueError, match="data-parallel on 2 devices at batch 32: Killed"):
+    with pytest.raises(
+        ValueError,
+        match="data-parallel on 2 devices at batch 32: Killed .*--noanchor_data_parallel",
+    ):
         validation.anchor_steps(costs, [4, 32], "/nonexistent", data_parallel=(2, 32))
 
 
@@ -189,3 +192,23 @@ def test_anchor_runs_beyond_the_counted_ones_count_as_their_expected_fastest(mon
     steps, _ = validation.anchor_steps(costs, [8], "/nonexistent", repeats=4, counted_runs=2)
     # Of the six pairs, 1 is the fastest of three, 2 of two, 3 of one.
     assert steps == [pytest.approx((3 * 0.001 + 2 * 0.002 + 0.003) / 6)]
+
+
+def test_a_tensor_groups_all_reduces_cost_the_in_graph_terms_when_measured():
+    costs = _costs()
+    strategy_only = dataclasses.replace(MACHINE, allreduce_latency=1e-3, allreduce_bandwidth=1e9)
+    in_graph = dataclasses.replace(
+        strategy_only, tensor_allreduce_latency=5e-5, tensor_allreduce_bandwidth=4e9
+    )
+    activation_bytes = 4096 * 8
+    for machine, (latency, bandwidth) in ((strategy_only, (1e-3, 1e9)), (in_graph, (5e-5, 4e9))):
+        blocks = blocks_at(costs, 8, 2, Hardware(machine=machine))
+        one = latency + 2 * 1 / 2 * activation_bytes / bandwidth  # ring of two
+        assert blocks[0].communication_time == pytest.approx(2 * 2 * one)
+    # The data-parallel gradient sum keeps MirroredStrategy's all-reduce.
+    assert in_graph.allreduce_seconds(1e6, 2) == strategy_only.allreduce_seconds(1e6, 2)
+    assert MachineCosts.from_json(in_graph.to_json()) == in_graph
+    old_cache = {k: v for k, v in in_graph.to_json().items() if not k.startswith("tensor_")}
+    assert MachineCosts.from_json(old_cache).tensor_allreduce_latency is None
+    with pytest.raises(ValueError, match="tensor_allreduce_bandwidth"):
+        dataclasses.replace(in_graph, tensor_allreduce_bandwidth=0.0)

@@ -293,8 +293,13 @@ def ring_allreduce_seconds(num_bytes: float, group_size: int, bandwidth: float) 
     return 2 * (group_size - 1) / group_size * num_bytes / bandwidth
 
 
-def allreduce_seconds(num_bytes: float, group_size: int, hardware: Hardware) -> float:
-    """An all-reduce on `hardware`: measured latency and bandwidth if known, else the ring."""
+def allreduce_seconds(
+    num_bytes: float, group_size: int, hardware: Hardware, in_graph: bool = False
+) -> float:
+    """An all-reduce on `hardware`: measured latency and bandwidth if known (with
+    `in_graph`, a tensor group's inside a step), else the ring."""
+    if hardware.machine is not None and in_graph:
+        return hardware.machine.tensor_allreduce_seconds(num_bytes, group_size)
     if hardware.machine is not None:
         return hardware.machine.allreduce_seconds(num_bytes, group_size)
     return ring_allreduce_seconds(num_bytes, group_size, hardware.bandwidth)
@@ -312,7 +317,7 @@ def blocks_at(
         activation_bytes = block.activation_bytes_per_example * microbatch_size
         split = tensor_parallel if block.tensor_allreduces else 1
         communication = block.tensor_allreduces * allreduce_seconds(
-            activation_bytes, split, hardware
+            activation_bytes, split, hardware, in_graph=True
         )
         backward_compute = block.backward_seconds.at(microbatch_size, split)
         split_backward = {}

@@ -11,7 +11,9 @@ small benchmarks and keeps them in the cost cache beside the block costs. The te
   and what each copy of a hybrid mesh adds to it (per copy, and per copy and variable:
   the executor sums the copies' gradients and copies one optimizer update to the others,
   far less than MirroredStrategy's update of every replica);
-- an all-reduce's latency and bandwidth between the logical devices;
+- an all-reduce's latency and bandwidth between the logical devices, as MirroredStrategy
+  calls one (a gradient sum) and as a tensor group runs one inside a step (its split
+  layers' sums, ops of the step's graph);
 - how much logical devices of one processor overlap: `serial_fraction` is the share of
   every device's work added up that runs one after the other (1: none overlaps, as for
   logical CPU devices sharing the cores; 1/n: n devices run fully in parallel), and
@@ -49,6 +51,10 @@ class MachineCosts:
         executor_per_replica_variable: added by each such copy for each trainable variable.
         allreduce_latency: fixed time of one all-reduce over the logical devices.
         allreduce_bandwidth: bytes per second an all-reduce moves beyond its latency.
+        tensor_allreduce_latency: fixed time of one all-reduce of a tensor group inside a
+            step's graph; None (an older cost cache): `allreduce_latency` stands in.
+        tensor_allreduce_bandwidth: its bytes per second beyond the latency; None:
+            `allreduce_bandwidth`.
         serial_fraction: share of the devices' summed busy time that serialises.
         serial_fractions: the serial fraction with k devices at work at once, for
             k = 1..n (first 1.0); empty: `serial_fraction` whatever the concurrency.
@@ -71,6 +77,8 @@ class MachineCosts:
     executor_per_replica_variable: float | None = None
     allreduce_latency: float = 0.0
     allreduce_bandwidth: float = 10e9
+    tensor_allreduce_latency: float | None = None
+    tensor_allreduce_bandwidth: float | None = None
     serial_fraction: float = 0.0
     serial_fractions: tuple[float, ...] = ()
     pair_fraction: float = 1.0
@@ -83,10 +91,14 @@ class MachineCosts:
         negative = {
             name: value for name, value in values.items() if value is not None and value < 0
         }
-        if negative or self.allreduce_bandwidth <= 0:
+        bandwidths = {
+            "allreduce_bandwidth": self.allreduce_bandwidth,
+            "tensor_allreduce_bandwidth": self.tensor_allreduce_bandwidth,
+        }
+        zero = {name: value for name, value in bandwidths.items() if value == 0}
+        if negative or zero:
             raise ValueError(
-                "Machine costs must be >= 0 and the bandwidth > 0. "
-                f"Received: {negative or {'allreduce_bandwidth': self.allreduce_bandwidth}}"
+                f"Machine costs must be >= 0 and the bandwidths > 0. Received: {negative or zero}"
             )
         if any(not 0 < fraction <= 1 for fraction in self.serial_fractions):
             raise ValueError(
@@ -117,6 +129,24 @@ class MachineCosts:
             return 0.0
         traffic = 2 * (group_size - 1) / group_size * num_bytes / self.allreduce_bandwidth
         return self.allreduce_latency + traffic
+
+    def tensor_allreduce_seconds(self, num_bytes: float, group_size: int) -> float:
+        """One all-reduce of `num_bytes` within a tensor group of `group_size`, inside a
+        step: the in-graph latency and bandwidth, MirroredStrategy's when not measured.
+
+        Example:
+            >>> MachineCosts(allreduce_latency=1.0, tensor_allreduce_latency=1e-4,
+            ...              tensor_allreduce_bandwidth=1e9).tensor_allreduce_seconds(1e6, 2)
+            0.0011
+        """
+        if self.tensor_allreduce_latency is None:
+            return self.allreduce_seconds(num_bytes, group_size)
+        in_graph = dataclasses.replace(
+            self,
+            allreduce_latency=self.tensor_allreduce_latency,
+            allreduce_bandwidth=self.tensor_allreduce_bandwidth or self.allreduce_bandwidth,
+        )
+        return in_graph.allreduce_seconds(num_bytes, group_size)
 
     def step_seconds(self, variables: int) -> float:
         """A training step's framework cost on one device for a model of `variables`."""

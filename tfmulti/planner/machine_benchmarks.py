@@ -6,7 +6,8 @@ times is the framework: a Keras training step of a tiny model of two sizes on on
 variable), the pipeline
 executor on tiny stages (fixed cost, per action, per loop round) and a hybrid mesh's
 data-parallel copies of it (per copy, per copy and variable), an
-all-reduce of two sizes (latency, bandwidth), the same matrix products on one and
+all-reduce of two sizes (latency, bandwidth) as MirroredStrategy calls it and as a
+tensor group runs it inside a step, the same matrix products on one and
 on n logical devices at once (how much of their work serialises), and two chains of them
 on one device at once (how much an overlapped pair's halves overlap). Every figure is the
 median of repeated steps, so a burst of load from other processes moves it little, and
@@ -42,8 +43,9 @@ _WARMUP_STEPS = 4
 # Fresh builds of each benchmark model; the fastest one's step counts.
 _BUILDS = 3
 # How the benchmarks time steps; a cost cache measured otherwise is measured again.
-# 2: each benchmark's fastest of `_BUILDS` builds (1: a single build).
-_TIMING = 2
+# 2: each benchmark's fastest of `_BUILDS` builds (1: a single build); 3: the tensor
+# group's in-graph all-reduce timed on its own.
+_TIMING = 3
 # Makes the callbacks a training run adds to each step (`timed_with_callbacks`).
 _STEP_CALLBACKS: contextvars.ContextVar[Callable[[], list] | None] = contextvars.ContextVar(
     "step_callbacks", default=None
@@ -51,6 +53,8 @@ _STEP_CALLBACKS: contextvars.ContextVar[Callable[[], list] | None] = contextvars
 # Dense layers of the small and the large benchmark model: the difference in variables
 # gives each replica's cost per variable.
 _SMALL_LAYERS, _LARGE_LAYERS = 2, 16
+# All-reduces chained in one function to time a tensor group's in-graph all-reduce.
+_CHAIN = 8
 
 
 def machine_costs(
@@ -100,6 +104,7 @@ def measure_machine_costs(devices: list[str]) -> MachineCosts:
     one_small, one_large = _keras_step_seconds(devices[:1], spreads)
     step_fixed, per_variable = _fixed_and_per_variable(one_small, one_large)
     latency, bandwidth = _allreduce_costs(devices, spreads)
+    tensor_latency, tensor_bandwidth = _tensor_allreduce_costs(devices, spreads)
     per_replica = per_replica_variable = 0.0
     pipeline_fixed = per_action = per_round = 0.0
     executor_per_replica = executor_per_replica_variable = None
@@ -126,6 +131,8 @@ def measure_machine_costs(devices: list[str]) -> MachineCosts:
         executor_per_replica_variable=executor_per_replica_variable,
         allreduce_latency=float(latency),
         allreduce_bandwidth=float(bandwidth),
+        tensor_allreduce_latency=tensor_latency,
+        tensor_allreduce_bandwidth=tensor_bandwidth,
         serial_fraction=serial_fractions[-1],
         serial_fractions=serial_fractions,
         pair_fraction=float(_serial_fractions(devices[:1] * 2, spreads)[-1]),
@@ -387,6 +394,55 @@ def _allreduce_costs(devices: list[str], spreads: list[float]) -> tuple[float, f
     traffic = 2 * (group - 1) / group * (sizes[1] - sizes[0])
     bandwidth = traffic / max(seconds[1] - seconds[0], 1e-9)
     return seconds[0], bandwidth
+
+
+def _tensor_allreduce_costs(
+    devices: list[str], spreads: list[float]
+) -> tuple[float | None, float | None]:
+    """(latency, bytes per second) of a tensor group's all-reduce over `devices` as split
+    layers run it: in the step's graph (`replicated.sum_on_every_device`), not a call of
+    its own as MirroredStrategy's. A chain of `_CHAIN` all-reduces in one function, less
+    the same function without them, at two sizes; (None, None) on one device."""
+    if len(devices) < 2:
+        return None, None
+    sizes = (64 * len(devices), 1 << 20)  # floats: a ring chunk each, and 4 MB
+    seconds = []
+    for size in sizes:
+        values = []
+        for device in devices:
+            with tf.device(device):
+                values.append(tf.ones((1, size), tf.float32))
+
+        runs = {count: _chained_all_reduces(devices, count) for count in (0, _CHAIN)}
+        samples = {count: [] for count in runs}
+        for run in runs.values():
+            run(*values)  # traced
+        for _ in range(15):
+            for count, run in runs.items():
+                start = time.perf_counter()
+                run(*values)[0].numpy()
+                samples[count].append(time.perf_counter() - start)
+        chain, alone = (_median_and_spread(samples[count], spreads) for count in (_CHAIN, 0))
+        seconds.append(max(chain - alone, 0.0) / _CHAIN)
+    group = len(devices)
+    traffic = 2 * (group - 1) / group * (sizes[1] - sizes[0]) * 4
+    bandwidth = traffic / max(seconds[1] - seconds[0], 1e-9)
+    return float(seconds[0]), float(bandwidth)
+
+
+def _chained_all_reduces(devices: list[str], count: int) -> Callable:
+    """A function of one tensor per device that all-reduces them `count` times in a row,
+    as a tensor group's split layers do inside a step, and sums each device's result."""
+    from tfmulti.collectives.replicated import sum_on_every_device
+
+    @tf.function
+    def run(*tensors):
+        tensors = list(tensors)
+        for _ in range(count):
+            tensors = sum_on_every_device(tensors, devices)
+        return [tf.reduce_sum(tensor) for tensor in tensors]
+
+    return run
 
 
 def _serial_fractions(devices: list[str], spreads: list[float]) -> tuple[float, ...]:

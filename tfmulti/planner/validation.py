@@ -267,11 +267,13 @@ def anchor_steps(
     """
     runs = [(ONE_DEVICE, train_flags(ONE_DEVICE, costs, size)) for size in batch_sizes]
     names = [f"on one device at batch {size}" for size in batch_sizes]
+    skips = ["--anchor_repeats=0"] * len(batch_sizes)
     if data_parallel is not None:
         devices, global_batch = data_parallel
         layout = dataclasses.replace(ONE_DEVICE, mesh=HybridMesh(data=devices))
         runs.append((layout, train_flags(layout, costs, global_batch)))
         names.append(f"data-parallel on {devices} devices at batch {global_batch}")
+        skips.append("--noanchor_data_parallel")
     times, errors = _timed_runs(
         runs,
         work_dir,
@@ -285,7 +287,7 @@ def anchor_steps(
         index, error = min(errors.items())
         raise ValueError(
             f"scripts/train.py failed {names[index]}: {error} "
-            "(fix the model or data, or pass --anchor_repeats=0 to plan.py)"
+            f"(fix the model or data, or pass {skips[index]} to plan.py)"
         )
     counted = repeats if counted_runs is None else min(counted_runs, repeats)
     fastest = [
