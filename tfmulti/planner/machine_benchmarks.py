@@ -90,7 +90,7 @@ def machine_key(num_devices: int) -> str:
 
     Example:
         >>> machine_key(4)
-        'devices=4,timing=2'
+        'devices=4,timing=3'
     """
     callbacks = ",callbacks" if _STEP_CALLBACKS.get() is not None else ""
     return f"devices={num_devices},timing={_TIMING}{callbacks}"
