@@ -13,18 +13,15 @@ from tfmulti.planner.scoring import score_layout
 from tfmulti.planner.search import search_layouts
 from tfmulti.platform.mesh import HybridMesh
 
+# A machine whose devices overlap less the more of them work at once.
 MACHINE = MachineCosts(
     step_fixed=0.005,
     per_replica=0.001,
-    per_replica_variable=1e-4,
-    pipeline_fixed=0.002,
     per_action=3e-4,
-    per_round=2e-4,
     allreduce_latency=1e-3,
     allreduce_bandwidth=1e9,
     serial_fraction=0.6,
     serial_fractions=(1.0, 0.8, 0.7, 0.6),
-    num_devices=4,
 )
 
 
