@@ -291,4 +291,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    run_script(main, (ValueError,))
+    run_script(main, (ValueError,), runs_children=True)

@@ -13,6 +13,8 @@ import pytest
 from script_runner import REPO_ROOT, script_environment
 
 from tfmulti.errors import Terminated
+from tfmulti.planner import save_costs
+from tfmulti.planner.costs import AffineTime, BlockCost, ModelCosts
 from tfmulti.run.training import timing_callbacks
 
 
@@ -57,15 +59,11 @@ def test_sigterm_in_timed_steps_ends_fit_with_terminated_and_gives_sigterm_back(
     assert not [name for name in os.listdir(scratch) if name.startswith("tfmulti-preemption-")]
 
 
-def _catches_sigterm(pid: int) -> bool:
-    with open(f"/proc/{pid}/status") as status:
-        caught = next(line for line in status if line.startswith("SigCgt:")).split()[1]
-    return bool(int(caught, 16) & (1 << (signal.SIGTERM - 1)))
-
-
 def test_plan_script_stopped_by_sigterm_while_timing_exits_without_a_traceback(tmp_path):
     """Before the fix, a SIGTERM in a timed step crashed the planner's preemption check
     with a traceback (it had no checkpoint to save)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     log = tmp_path / "stderr.txt"
     process = subprocess.Popen(
         [
@@ -79,19 +77,77 @@ def test_plan_script_stopped_by_sigterm_while_timing_exits_without_a_traceback(t
         cwd=REPO_ROOT,
         stdout=subprocess.DEVNULL,
         stderr=log.open("w"),
-        env=script_environment(),
+        env={**script_environment(), "TMPDIR": str(scratch)},
     )
-    # Wait until a timed fit has taken SIGTERM over (its handler caught, /proc says).
+    # A timed fit's SIGTERM handler keeps a scratch directory while it is in charge.
     deadline = time.monotonic() + 240
-    while not _catches_sigterm(process.pid) and process.poll() is None:
+    while not [name for name in os.listdir(scratch) if name.startswith("tfmulti-preemption-")]:
+        assert process.poll() is None, log.read_text()[-3000:]
         assert time.monotonic() < deadline, "plan.py never timed a step"
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     returncode = process.wait(timeout=120)
     stderr = log.read_text()
+
     assert "Traceback" not in stderr, stderr[-3000:]
-    # In a timed step: one line and the shell's SIGTERM code; between steps: the
-    # default action ends the process.
-    assert returncode in (143, -signal.SIGTERM), stderr[-3000:]
-    if returncode == 143:
-        assert "stopped by SIGTERM" in stderr.strip().splitlines()[-1]
+    assert returncode == 143, stderr[-3000:]
+    assert "stopped by SIGTERM" in stderr.strip().splitlines()[-1]
+    assert not [name for name in os.listdir(scratch) if name.startswith("tfmulti-preemption-")]
+
+
+def _timing_children(pid: int) -> list[int]:
+    """The processes `pid` started that run a timed `scripts/train.py` (a --model_dir)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                arguments = cmdline.read().split(b"\0")
+        except OSError:
+            continue
+        if parent == pid and any(argument.startswith(b"--model_dir=") for argument in arguments):
+            children.append(int(entry))
+    return children
+
+
+def test_plan_script_stopped_by_sigterm_while_validating_stops_the_run_it_started(tmp_path):
+    """Before the fix, SIGTERM ended plan.py at once and its train.py child ran on."""
+    block = BlockCost("dense", 1000, AffineTime(1e-4, 1e-5), AffineTime(2e-4, 2e-5), 256)
+    costs = ModelCosts("mlp", {}, "digits", None, (block,) * 4, measured_batch_sizes=(2, 16))
+    save_costs(costs, str(tmp_path / "costs.json"))
+    log = tmp_path / "stderr.txt"
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(REPO_ROOT, "scripts", "plan.py"),
+            f"--costs={tmp_path / 'costs.json'}",
+            "--devices=1",
+            "--global_batch=16",
+            "--machine_costs=none",
+            "--validate=1",
+            "--validate_repeats=1",
+            "--validate_epochs=50",
+            "--validate_steps=50",
+            f"--validate_dir={tmp_path / 'runs'}",
+        ],
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+        env=script_environment(),
+    )
+    deadline = time.monotonic() + 240
+    while not (children := _timing_children(process.pid)):
+        assert process.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "plan.py never started a timed run"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    returncode = process.wait(timeout=120)
+    stderr = log.read_text()
+
+    assert returncode == 143, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert "stopped by SIGTERM" in stderr.strip().splitlines()[-1]
+    assert not [child for child in children if os.path.exists(f"/proc/{child}")]

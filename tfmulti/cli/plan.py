@@ -554,4 +554,6 @@ def main() -> None:
     """Plans from the command line's flags (the `tfmulti-plan` command)."""
     from tfmulti.errors import USER_ERRORS
 
-    run_script(_plan, USER_ERRORS, usage=__doc__, module=__name__, title="planner")
+    run_script(
+        _plan, USER_ERRORS, usage=__doc__, module=__name__, title="planner", runs_children=True
+    )

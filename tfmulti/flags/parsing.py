@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -9,7 +10,9 @@ from collections.abc import Callable
 
 from absl import app, flags
 
+from tfmulti.errors import Terminated
 from tfmulti.flags.help import install_help_flags
+from tfmulti.platform.sigterm import sigterm_raises_terminated
 
 
 def parse_flags_or_exit(
@@ -38,6 +41,7 @@ def run_script(
     usage: str | None = None,
     module: str = "__main__",
     title: str = "options",
+    runs_children: bool = False,
 ) -> None:
     """Runs `main` with absl, turning any of `user_errors` into one line and an exit code.
 
@@ -50,11 +54,16 @@ def run_script(
         usage: the text `--help` starts with (default: `__main__`'s docstring).
         module: the module whose own flags `--help` lists after the flag groups.
         title: the heading of those flags.
+        runs_children: `main` runs other programs: SIGTERM raises `Terminated` (one line,
+            exit 143), so the child running is killed and temporary files are removed.
     """
+    if runs_children:
+        user_errors = (*user_errors, Terminated)
 
     def guarded_main(argv):
         try:
-            main(argv)
+            with sigterm_raises_terminated() if runs_children else contextlib.nullcontext():
+                main(argv)
         except user_errors as error:
             print(f"{os.path.basename(argv[0])}: error: {error}", file=sys.stderr)
             sys.exit(getattr(error, "exit_code", 1))

@@ -230,29 +230,44 @@ def _timed_build(runs, rounds: int) -> list[tuple[float, float]]:
     runs' steps interleaved over `rounds`."""
     make_callbacks = _STEP_CALLBACKS.get() or list
     models = []
-    for build, x, y in runs:
-        model = build()
-        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(len(x)).repeat()
-        callbacks = make_callbacks()
-        with _info_logs_off():
-            model.fit(data, steps_per_epoch=_WARMUP_STEPS, epochs=1, verbose=0, callbacks=callbacks)
-        models.append((model, data, callbacks))
-    samples = [[] for _ in runs]
-    for _ in range(rounds):
-        for index, (model, data, callbacks) in enumerate(models):
-            clock = _StepClock()
+    try:
+        for build, x, y in runs:
+            model = build()
+            data = tf.data.Dataset.from_tensor_slices((x, y)).batch(len(x)).repeat()
+            callbacks = make_callbacks()
+            models.append((model, data, callbacks))
             with _info_logs_off():
                 model.fit(
-                    data,
-                    steps_per_epoch=_STEPS // rounds + 1,
-                    epochs=1,
-                    verbose=0,
-                    callbacks=[*callbacks, clock],
+                    data, steps_per_epoch=_WARMUP_STEPS, epochs=1, verbose=0, callbacks=callbacks
                 )
-            samples[index].extend(clock.intervals())
+        samples = [[] for _ in runs]
+        for _ in range(rounds):
+            for index, (model, data, callbacks) in enumerate(models):
+                clock = _StepClock()
+                with _info_logs_off():
+                    model.fit(
+                        data,
+                        steps_per_epoch=_STEPS // rounds + 1,
+                        epochs=1,
+                        verbose=0,
+                        callbacks=[*callbacks, clock],
+                    )
+                samples[index].extend(clock.intervals())
+    finally:
+        _release_callbacks(callback for _, _, callbacks in models for callback in callbacks)
     spreads = []
     medians = [_median_and_spread(times, spreads) for times in samples]
     return list(zip(medians, spreads, strict=True))
+
+
+def _release_callbacks(callbacks) -> None:
+    """Keras skips `on_train_end` when `fit` raises (SIGTERM's `Terminated`): a callback
+    holding the process's SIGTERM and a scratch directory (`SaveOnPreemption`) gives them
+    back through its `release`."""
+    for callback in callbacks:
+        release = getattr(callback, "release", None)
+        if release is not None:
+            release()
 
 
 def _keras_step_seconds(devices: list[str], spreads: list[float]) -> list[float]:

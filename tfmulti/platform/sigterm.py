@@ -1,0 +1,30 @@
+"""SIGTERM as an exception, for programs that run others (the planner, benchmarks).
+
+Python's default SIGTERM ends the process at once: a `subprocess.run` child keeps running
+and `with` blocks (temporary directories) never clean up. Raised as `Terminated` in the
+main thread instead, `subprocess.run` kills its child on the way out and every `with`
+block exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Iterator
+
+from tfmulti.errors import Terminated
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def sigterm_raises_terminated() -> Iterator[None]:
+    """Within the block, SIGTERM raises `Terminated` in the main thread; the previous
+    handler comes back after it."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
