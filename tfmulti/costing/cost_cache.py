@@ -9,7 +9,7 @@ same kind of device with the same TensorFlow, so an entry is keyed by `block_sig
 Beside the blocks, the file keeps the machine's own measured costs (`put_machine`): the
 framework's per-step, per-replica and per-action costs, the all-reduce and how much
 logical devices overlap (`tfmulti.planner.machine_benchmarks`), keyed by what they were
-measured over and how ("devices=4,timing=3,callbacks").
+measured over and how ("devices=4,timing=4,callbacks").
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ class CostCache:
         return entries, machine
 
     def get_machine(self, key: str) -> dict | None:
-        """The machine's measured costs kept under `key` (e.g. "devices=4,timing=3"), or None."""
+        """The machine's measured costs kept under `key` (e.g. "devices=4,timing=4"), or None."""
         return self._machine.get(key)
 
     def put_machine(self, key: str, costs: dict) -> None:

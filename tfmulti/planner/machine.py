@@ -42,7 +42,9 @@ class MachineCosts:
         per_variable: added to a step by each trainable variable (its optimizer update).
         per_replica: added by each MirroredStrategy replica.
         per_replica_variable: added by each replica for each trainable variable.
-        pipeline_fixed: added to a step by the pipeline executor, whatever its schedule.
+        pipeline_fixed: added to a step by the pipeline executor beyond `step_fixed`,
+            whatever its schedule; negative where the executor's step costs less than a
+            strategy's (it runs under TensorFlow's default strategy), down to -step_fixed.
         per_action: each pipeline action (F, B, I or W of a stage on a micro-batch).
         per_round: each round of the executor's rolled loop.
         executor_per_replica: added by each data-parallel copy of a pipeline (a hybrid
@@ -88,6 +90,8 @@ class MachineCosts:
     def __post_init__(self):
         values = dataclasses.asdict(self)
         values["serial_fractions"] = min(self.serial_fractions, default=0.0)
+        # The executor's fixed cost is relative to a strategy's step: their sum is its own.
+        values["pipeline_fixed"] = self.step_fixed + self.pipeline_fixed
         negative = {
             name: value for name, value in values.items() if value is not None and value < 0
         }

@@ -45,7 +45,7 @@ _BUILDS = 3
 # How the benchmarks time steps; a cost cache measured otherwise is measured again.
 # 2: each benchmark's fastest of `_BUILDS` builds (1: a single build); 3: the tensor
 # group's in-graph all-reduce timed on its own.
-_TIMING = 3
+_TIMING = 4
 # Makes the callbacks a training run adds to each step (`timed_with_callbacks`).
 _STEP_CALLBACKS: contextvars.ContextVar[Callable[[], list] | None] = contextvars.ContextVar(
     "step_callbacks", default=None
@@ -90,7 +90,7 @@ def machine_key(num_devices: int) -> str:
 
     Example:
         >>> machine_key(4)
-        'devices=4,timing=3'
+        'devices=4,timing=4'
     """
     callbacks = ",callbacks" if _STEP_CALLBACKS.get() is not None else ""
     return f"devices={num_devices},timing={_TIMING}{callbacks}"
@@ -303,7 +303,10 @@ def _executor_seconds(
     """(fixed seconds per step, per action, per loop round) of the pipeline executor, beyond
     a one-device step: 1F1B over two tiny stages traced action by action at two
     micro-batch counts (fixed and per action), and run as a rolled loop (per round), the
-    three runs' steps interleaved."""
+    three runs' steps interleaved.
+
+    The fixed part may be negative, down to -`step_fixed`: the executor's step runs under
+    TensorFlow's default strategy, and can cost less than a `OneDeviceStrategy` step."""
     from tfmulti.pipeline.runtime import PipelineModel
 
     def run(num_microbatches, rolled):
@@ -327,7 +330,7 @@ def _executor_seconds(
     few_actions, many_actions = 4 * 2, 4 * 8
     looped_actions, rounds = executed_actions(build_schedule("1f1b", 2, 8))
     per_action = max(many - few, 0.0) / (many_actions - few_actions)
-    fixed = max(few - per_action * few_actions, 0.0)
+    fixed = max(few - per_action * few_actions, -step_fixed)
     per_round = max(looped - fixed - per_action * looped_actions, 0.0) / max(rounds, 1)
     return fixed, per_action, per_round
 
