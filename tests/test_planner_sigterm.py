@@ -59,31 +59,23 @@ def test_sigterm_in_timed_steps_ends_fit_with_terminated_and_gives_sigterm_back(
     assert not [name for name in os.listdir(scratch) if name.startswith("tfmulti-preemption-")]
 
 
-def test_plan_script_stopped_by_sigterm_while_timing_exits_without_a_traceback(tmp_path):
-    """Before the fix, a SIGTERM in a timed step crashed the planner's preemption check
-    with a traceback (it had no checkpoint to save)."""
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
+def _sigterm_plan_once(
+    tmp_path, flags: list[str], ready, environment: dict | None = None
+) -> tuple[int, str]:
+    """Starts plan.py with `flags`, sends it SIGTERM once `ready(pid)` holds, and checks it
+    ended in one line with the shell's SIGTERM code; returns `ready`'s last result."""
     log = tmp_path / "stderr.txt"
     process = subprocess.Popen(
-        [
-            sys.executable,
-            os.path.join(REPO_ROOT, "scripts", "plan.py"),
-            "--model_option=num_layers=2",
-            "--devices=2",
-            "--global_batch=8",
-            f"--cost_cache={tmp_path / 'costs.json'}",
-        ],
+        [sys.executable, os.path.join(REPO_ROOT, "scripts", "plan.py"), *flags],
         cwd=REPO_ROOT,
         stdout=subprocess.DEVNULL,
         stderr=log.open("w"),
-        env={**script_environment(), "TMPDIR": str(scratch)},
+        env={**script_environment(), **(environment or {})},
     )
-    # A timed fit's SIGTERM handler keeps a scratch directory while it is in charge.
     deadline = time.monotonic() + 240
-    while not [name for name in os.listdir(scratch) if name.startswith("tfmulti-preemption-")]:
+    while not (found := ready(process.pid)):
         assert process.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, "plan.py never timed a step"
+        assert time.monotonic() < deadline, "plan.py never got there"
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     returncode = process.wait(timeout=120)
@@ -92,7 +84,28 @@ def test_plan_script_stopped_by_sigterm_while_timing_exits_without_a_traceback(t
     assert "Traceback" not in stderr, stderr[-3000:]
     assert returncode == 143, stderr[-3000:]
     assert "stopped by SIGTERM" in stderr.strip().splitlines()[-1]
-    assert not [name for name in os.listdir(scratch) if name.startswith("tfmulti-preemption-")]
+    return found
+
+
+def test_plan_script_stopped_by_sigterm_while_timing_exits_without_a_traceback(tmp_path):
+    """Before the fix, a SIGTERM in a timed step crashed the planner's preemption check
+    with a traceback (it had no checkpoint to save)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+
+    def preemption_scratch(pid: int) -> list[str]:
+        # A timed fit's SIGTERM handler keeps a scratch directory while it is in charge.
+        return [name for name in os.listdir(scratch) if name.startswith("tfmulti-preemption-")]
+
+    flags = [
+        "--model_option=num_layers=2",
+        "--devices=2",
+        "--global_batch=8",
+        f"--cost_cache={tmp_path / 'costs.json'}",
+    ]
+    _sigterm_plan_once(tmp_path, flags, preemption_scratch, {"TMPDIR": str(scratch)})
+
+    assert not preemption_scratch(0)
 
 
 def _timing_children(pid: int) -> list[int]:
@@ -118,36 +131,17 @@ def test_plan_script_stopped_by_sigterm_while_validating_stops_the_run_it_starte
     block = BlockCost("dense", 1000, AffineTime(1e-4, 1e-5), AffineTime(2e-4, 2e-5), 256)
     costs = ModelCosts("mlp", {}, "digits", None, (block,) * 4, measured_batch_sizes=(2, 16))
     save_costs(costs, str(tmp_path / "costs.json"))
-    log = tmp_path / "stderr.txt"
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            os.path.join(REPO_ROOT, "scripts", "plan.py"),
-            f"--costs={tmp_path / 'costs.json'}",
-            "--devices=1",
-            "--global_batch=16",
-            "--machine_costs=none",
-            "--validate=1",
-            "--validate_repeats=1",
-            "--validate_epochs=50",
-            "--validate_steps=50",
-            f"--validate_dir={tmp_path / 'runs'}",
-        ],
-        cwd=REPO_ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=log.open("w"),
-        env=script_environment(),
-    )
-    deadline = time.monotonic() + 240
-    while not (children := _timing_children(process.pid)):
-        assert process.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, "plan.py never started a timed run"
-        time.sleep(0.05)
-    process.send_signal(signal.SIGTERM)
-    returncode = process.wait(timeout=120)
-    stderr = log.read_text()
+    flags = [
+        f"--costs={tmp_path / 'costs.json'}",
+        "--devices=1",
+        "--global_batch=16",
+        "--machine_costs=none",
+        "--validate=1",
+        "--validate_repeats=1",
+        "--validate_epochs=50",
+        "--validate_steps=50",
+        f"--validate_dir={tmp_path / 'runs'}",
+    ]
+    children = _sigterm_plan_once(tmp_path, flags, _timing_children)
 
-    assert returncode == 143, stderr[-3000:]
-    assert "Traceback" not in stderr, stderr[-3000:]
-    assert "stopped by SIGTERM" in stderr.strip().splitlines()[-1]
     assert not [child for child in children if os.path.exists(f"/proc/{child}")]
