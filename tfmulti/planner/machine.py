@@ -91,7 +91,7 @@ class MachineCosts:
         values = dataclasses.asdict(self)
         values["serial_fractions"] = min(self.serial_fractions, default=0.0)
         # The executor's fixed cost is relative to a strategy's step: their sum is its own.
-        values["pipeline_fixed"] = self.step_fixed + self.pipeline_fixed
+        values["step_fixed+pipeline_fixed"] = self.step_fixed + values.pop("pipeline_fixed")
         negative = {
             name: value for name, value in values.items() if value is not None and value < 0
         }

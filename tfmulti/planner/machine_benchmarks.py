@@ -44,7 +44,8 @@ _WARMUP_STEPS = 4
 _BUILDS = 3
 # How the benchmarks time steps; a cost cache measured otherwise is measured again.
 # 2: each benchmark's fastest of `_BUILDS` builds (1: a single build); 3: the tensor
-# group's in-graph all-reduce timed on its own.
+# group's in-graph all-reduce timed on its own; 4: the executor's fixed cost may be
+# below a strategy step's.
 _TIMING = 4
 # Makes the callbacks a training run adds to each step (`timed_with_callbacks`).
 _STEP_CALLBACKS: contextvars.ContextVar[Callable[[], list] | None] = contextvars.ContextVar(
