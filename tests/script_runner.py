@@ -57,6 +57,22 @@ def last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid`, read from /proc."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as file:
+                parent = int(file.read().rpartition(")")[2].split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if parent == pid:
+            children.append(int(entry))
+    return children
+
+
 def launch(*args: str, **popen_options) -> subprocess.Popen:
     """Starts `python scripts/launch.py args...` (text mode); the caller waits for it."""
     command = [sys.executable, os.path.join(REPO_ROOT, "scripts", "launch.py"), *args]

@@ -18,6 +18,7 @@ from script_runner import (
     REPO_ROOT,
     TWO_EPOCHS,
     assert_same_training,
+    child_pids,
     read_metrics,
     script_environment,
     start_launched_training,
@@ -138,7 +139,7 @@ def _wait_for_tensorflow_servers(launcher_pid: int, count: int) -> set[int]:
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         ports = set()
-        for pid in _children(launcher_pid):
+        for pid in child_pids(launcher_pid):
             try:
                 with open(f"/proc/{pid}/environ", "rb") as file:
                     environ = dict(
@@ -156,21 +157,6 @@ def _wait_for_tensorflow_servers(launcher_pid: int, count: int) -> set[int]:
             return ports
         time.sleep(0.1)
     return set()
-
-
-def _children(pid: int) -> list[int]:
-    children = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as file:
-                parent = int(file.read().rpartition(")")[2].split()[1])
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if parent == pid:
-            children.append(int(entry))
-    return children
 
 
 def _run_launcher(prefix: list[str], isolation: str | None, pid_dir) -> subprocess.CompletedProcess:

@@ -10,7 +10,7 @@ import time
 import keras
 import numpy as np
 import pytest
-from script_runner import REPO_ROOT, script_environment
+from script_runner import REPO_ROOT, child_pids, script_environment
 
 from tfmulti.errors import Terminated
 from tfmulti.planner import save_costs
@@ -110,20 +110,16 @@ def test_plan_script_stopped_by_sigterm_while_timing_exits_without_a_traceback(t
 
 def _timing_children(pid: int) -> list[int]:
     """The processes `pid` started that run a timed `scripts/train.py` (a --model_dir)."""
-    children = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    timing = []
+    for child in child_pids(pid):
         try:
-            with open(f"/proc/{entry}/stat") as stat:
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+            with open(f"/proc/{child}/cmdline", "rb") as cmdline:
                 arguments = cmdline.read().split(b"\0")
         except OSError:
             continue
-        if parent == pid and any(argument.startswith(b"--model_dir=") for argument in arguments):
-            children.append(int(entry))
-    return children
+        if any(argument.startswith(b"--model_dir=") for argument in arguments):
+            timing.append(child)
+    return timing
 
 
 def test_plan_script_stopped_by_sigterm_while_validating_stops_the_run_it_started(tmp_path):
