@@ -738,8 +738,21 @@ def test_anchoring_takes_the_steps_cost_per_example_and_its_excess_fixed_part_on
         assert 0.002 + anchored.run_overhead + total == pytest.approx(0.026 + 0.001 * size)
     assert anchored.anchor_steps == (0.030, 0.058)
     assert ModelCosts.from_json(json.loads(json.dumps(anchored.to_json()))) == anchored
-    # Steps with a smaller fixed part than the blocks' leave no script overhead.
-    assert anchored_to_steps(costs, [0.010, 0.038], 0.002).run_overhead == 0.0
+    # Steps with a smaller fixed part than the blocks' (6 ms + 1 ms x b against 14 ms)
+    # leave no script overhead and lower the blocks' fixed parts to theirs: one device
+    # still predicts the steps, and each block keeps its share of the fixed part.
+    lowered = anchored_to_steps(costs, [0.010, 0.038], 0.002)
+    assert lowered.run_overhead == 0.0
+    for size in (4, 32):
+        total = sum(
+            b.forward_seconds.at(size) + b.backward_seconds.at(size) for b in lowered.blocks
+        )
+        assert 0.002 + total == pytest.approx(0.006 + 0.001 * size)
+    shares = [b.forward_seconds.fixed / 0.004 for b in lowered.blocks]
+    assert shares == pytest.approx([b.forward_seconds.fixed / 0.012 for b in costs.blocks])
+    # Not below the framework's: a fit whose fixed part is under it leaves the blocks none.
+    bare = anchored_to_steps(costs, [0.005, 0.033], 0.002)
+    assert all(b.forward_seconds.fixed == b.backward_seconds.fixed == 0.0 for b in bare.blocks)
     with pytest.raises(ValueError, match="one step per measured batch size"):
         anchored_to_steps(costs, [0.01], 0.0)
 

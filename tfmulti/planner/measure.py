@@ -226,12 +226,13 @@ def anchored_to_steps(
     (`validation.anchor_steps`: scripts/train.py's), given the framework's cost of a
     step.
 
-    The blocks keep the fixed part of the step they add up to (with the framework's), timed
-    block by block and in the measuring process, and take the steps' cost per example,
-    which that process measures unsteadily. What the steps' fixed part exceeds theirs by
+    The blocks take the steps' cost per example, which the measuring process times
+    unsteadily. What the steps' fixed part exceeds the blocks' (with the framework's) by
     is the script's own cost per step (its input pipeline and loop), paid once a step
-    whatever the layout: `run_overhead`. The one-device prediction then matches `seconds`
-    (at the larger of the two fixed parts).
+    whatever the layout: `run_overhead`. A steps' fixed part below the blocks' means
+    the blocks, timed one by one, paid per call what a whole step does not: their fixed
+    parts shrink to it (not below the framework's). The one-device prediction then
+    matches `seconds`.
 
     Example:
         >>> block = BlockCost("b", 1, AffineTime(2.0, 1.0), AffineTime(2.0, 1.0), 4.0)
@@ -249,7 +250,7 @@ def anchored_to_steps(
     blocks = costs.blocks
     fixed = step_framework + sum(b.forward_seconds.fixed + b.backward_seconds.fixed for b in blocks)
     anchor = AffineTime.fit(sizes, seconds)
-    step = AffineTime(fixed, anchor.per_example)
+    step = AffineTime(min(fixed, anchor.fixed), anchor.per_example)
     return dataclasses.replace(
         costs,
         blocks=tuple(scaled_to_step(blocks, step, step_framework)),
