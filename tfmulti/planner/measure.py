@@ -229,10 +229,11 @@ def anchored_to_steps(
     The blocks take the steps' cost per example, which the measuring process times
     unsteadily. What the steps' fixed part exceeds the blocks' (with the framework's) by
     is the script's own cost per step (its input pipeline and loop), paid once a step
-    whatever the layout: `run_overhead`. A steps' fixed part below the blocks' means
-    the blocks, timed one by one, paid per call what a whole step does not: their fixed
-    parts shrink to it (not below the framework's). The one-device prediction then
-    matches `seconds`.
+    whatever the layout: `run_overhead`. When the steps' fixed part is below the
+    blocks', the blocks, timed one by one, paid per call what a whole step does not:
+    their fixed parts shrink to it, each keeping its share. The one-device prediction
+    then matches `seconds`, unless their fixed part is below even the framework's (the
+    blocks then keep none).
 
     Example:
         >>> block = BlockCost("b", 1, AffineTime(2.0, 1.0), AffineTime(2.0, 1.0), 4.0)
