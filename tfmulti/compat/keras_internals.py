@@ -239,3 +239,27 @@ def learning_rate_setting(optimizer: keras.optimizers.Optimizer):
     """The learning rate `optimizer` was given (`Optimizer._learning_rate`): a number or a
     `LearningRateSchedule`, where the public `learning_rate` is its current value."""
     return _private(optimizer, "_learning_rate", "BaseOptimizer._learning_rate")
+
+
+# Sharded state (ZeRO)
+
+
+def release_storage(variables) -> None:
+    """Drops the `tf.Variable` behind each Keras variable (`Variable._value`), freeing its
+    memory; the variable is then read only through a stateless call's values."""
+    for variable in variables:
+        _private(variable, "_value", "Variable._value")
+        variable._value = None
+
+
+def restore_storage(variables, values, device: str) -> None:
+    """Re-creates the storage `release_storage` dropped, from `values`, on `device`."""
+    with tf.init_scope(), tf.device(device):
+        for variable, value in zip(variables, values, strict=True):
+            variable._value = None
+            reinitialize_variable(variable, value)
+
+
+def compiled_metrics(model: keras.Model):
+    """The metrics `compile` was given (`Trainer._compile_metrics`), or None."""
+    return _private(model, "_compile_metrics", "Trainer._compile_metrics")
