@@ -88,6 +88,9 @@ class DistributionConfig:
     strategy: str = "mirrored"
     num_devices: int | None = None
     all_reduce: str = "auto"
+    # ZeRO stage of data parallelism: 0 replicates all state, 1 shards optimizer state,
+    # 2 also gradients, 3 also weights (`tfmulti.zero`).
+    zero: int = 0
     placement: str | None = None
     mesh: str | None = None
     tensor_parallel: int = 1

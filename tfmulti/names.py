@@ -14,8 +14,8 @@ TRAIN_STRATEGY_NAMES = (
 # any of them set away from its default unless it is listed here.
 STRATEGY_FLAGS = {
     "one_device": ("jit_compile",),
-    "mirrored": (),
-    "multi_worker": (),
+    "mirrored": ("zero",),
+    "multi_worker": ("zero",),
     "pipeline": ("jit_compile", "trace_steps", "rolled"),
     "model_parallel": ("jit_compile", "placement", "tensor_parallel"),
     HYBRID_STRATEGY_NAME: ("jit_compile", "mesh", "cross_host_axis"),

@@ -80,6 +80,13 @@ def define_device_flags() -> None:
     flags.DEFINE_enum(
         "all_reduce", "auto", ALL_REDUCE_NAMES, "Cross-device all-reduce of `mirrored`."
     )
+    flags.DEFINE_enum(
+        "zero",
+        "0",
+        ["0", "1", "2", "3"],
+        "ZeRO stage of mirrored or multi_worker data parallelism: 0 replicates all state, "
+        "1 shards optimizer state over the devices, 2 also gradients, 3 also weights.",
+    )
 
 
 @flag_group("model and data")
@@ -519,6 +526,7 @@ def _zero_is_none(value: int) -> int | None:
 # How a flag's value becomes its setting, where it is not the value itself.
 _SETTING_FROM_FLAG = {
     "num_devices": _zero_is_none,
+    "zero": int,
     "steps_per_epoch": _zero_is_none,
     "validation_steps": _zero_is_none,
     "profile_steps": _step_range_or_none,

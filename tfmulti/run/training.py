@@ -231,7 +231,7 @@ def train(config: TrainConfig) -> dict:
     """
     keras.utils.set_random_seed(config.run.seed)
     keras.mixed_precision.set_dtype_policy(config.model.dtype)
-    training_strategy = get_training_strategy(config.distribution.strategy)
+    training_strategy = get_training_strategy(config.distribution.strategy, config.distribution.zero)
     cluster = training_strategy.resolve_cluster(config)
     strategy = training_strategy.make_strategy(config, cluster)
     replicas = training_strategy.data_replicas(config, strategy)

@@ -24,6 +24,7 @@ from tfmulti.strategies.model_source import ModelSource, default_loss_and_metric
 from tfmulti.strategies.pipeline import Pipeline
 from tfmulti.strategies.placement import Placement
 from tfmulti.strategies.tensor_parallel import TensorParallel
+from tfmulti.strategies.zero_data_parallel import ZeroDataParallelStrategy
 
 TRAINING_STRATEGIES: dict[str, TrainingStrategy] = {
     "one_device": DataParallel(),
@@ -36,8 +37,15 @@ TRAINING_STRATEGIES: dict[str, TrainingStrategy] = {
 }
 
 
-def get_training_strategy(name: str) -> TrainingStrategy:
-    """Returns the way of spreading a model named by `--strategy`.
+# `--zero` > 0 under these strategies shards data parallelism's state (`tfmulti.zero`).
+ZERO_STRATEGIES: dict[str, TrainingStrategy] = {
+    "mirrored": ZeroDataParallelStrategy(across_workers=False),
+    "multi_worker": ZeroDataParallelStrategy(across_workers=True),
+}
+
+
+def get_training_strategy(name: str, zero: int = 0) -> TrainingStrategy:
+    """Returns the way of spreading a model named by `--strategy` (and `--zero`).
 
     Example:
         >>> type(get_training_strategy("pipeline")).__name__
@@ -47,6 +55,14 @@ def get_training_strategy(name: str) -> TrainingStrategy:
         raise ValueError(
             f"Unknown strategy; use one of {list(TRAINING_STRATEGIES)}. Received: {name!r}"
         )
+    if zero:
+        if name not in ZERO_STRATEGIES:
+            raise ValueError(
+                f"--zero shards the state of data parallelism: use it with --strategy="
+                f"{' or '.join(ZERO_STRATEGIES)}, or drop it. Received: --strategy={name} "
+                f"--zero={zero}"
+            )
+        return ZERO_STRATEGIES[name]
     return TRAINING_STRATEGIES[name]
 
 
@@ -64,6 +80,8 @@ __all__ = [
     "Placement",
     "TrainingStrategy",
     "TensorParallel",
+    "ZERO_STRATEGIES",
+    "ZeroDataParallelStrategy",
     "check_batch_splits",
     "default_loss_and_metrics",
     "get_training_strategy",

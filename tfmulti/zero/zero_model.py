@@ -38,6 +38,11 @@ from tfmulti.zero.optimizer_slots import SlotMap
 from tfmulti.zero.sharded_weights import ShardedWeights
 
 
+# Attributes Keras' weight saving must not walk into: `save_own_variables` writes their
+# state whole instead, so checkpoints fit any device count.
+_NOT_SAVED_WALKING = frozenset({"optimizer", "weight_blocks", "plain_model"})
+
+
 class _Held:
     """Holds the user's model out of Keras' tracking, so the wrapper's own saving decides."""
 
@@ -83,6 +88,7 @@ class ZeroDataParallel(WrappedModel, keras.Model):
         self.weight_blocks = self._sharded.owned_variables
         self._slots: SlotMap | None = None
         release_storage(model.trainable_variables)
+        self.built = True
 
     # What Keras asks of a wrapped model
 
@@ -151,9 +157,7 @@ class ZeroDataParallel(WrappedModel, keras.Model):
         pass
 
     def __dir__(self):
-        # Keras' weight saving walks attributes; the optimizer's sharded state is saved
-        # whole by `save_own_variables` instead, so checkpoints fit any device count.
-        return [name for name in super().__dir__() if name not in ("optimizer", "weight_blocks")]
+        return [name for name in super().__dir__() if name not in _NOT_SAVED_WALKING]
 
     # Training
 
@@ -266,27 +270,27 @@ class ZeroDataParallel(WrappedModel, keras.Model):
                 f"expected {len(expected)} ZeRO state entries, found {len(store.keys())} "
                 f"(missing {missing[:3]})"
             )
-        weights = [np.asarray(store[f"weight/{k}"]) for k in range(len(self._sharded.layouts))]
+        weights = [np.asarray(store[f"weight.{k}"]) for k in range(len(self._sharded.layouts))]
         self._sharded.assign_whole(weights)
         for index, variable in enumerate(self.plain_model.non_trainable_variables):
-            variable.assign(np.asarray(store[f"state/{index}"]))
+            variable.assign(np.asarray(store[f"state.{index}"]))
         for key, variable in self._optimizer_entries():
             variable.assign(np.asarray(store[key]))
         for k, layout in enumerate(self._sharded.layouts):
             for t, slots in enumerate(self._slots_by_kind(k)):
-                pieces = layout.split(np.asarray(store[f"slot/{k}/{t}"]))
+                pieces = layout.split(np.asarray(store[f"slot.{k}.{t}"]))
                 for slot, piece in zip(slots, pieces, strict=True):
                     slot.assign(piece)
 
     def _whole_state(self) -> dict[str, np.ndarray]:
-        state = {f"weight/{k}": value for k, value in enumerate(self._sharded.whole_numpy())}
+        state = {f"weight.{k}": value for k, value in enumerate(self._sharded.whole_numpy())}
         for index, variable in enumerate(self.plain_model.non_trainable_variables):
-            state[f"state/{index}"] = keras.ops.convert_to_numpy(variable.value)
+            state[f"state.{index}"] = keras.ops.convert_to_numpy(variable.value)
         for key, variable in self._optimizer_entries():
             state[key] = keras.ops.convert_to_numpy(variable.value)
         for k, layout in enumerate(self._sharded.layouts):
             for t, slots in enumerate(self._slots_by_kind(k)):
-                state[f"slot/{k}/{t}"] = layout.join(
+                state[f"slot.{k}.{t}"] = layout.join(
                     [keras.ops.convert_to_numpy(slot.value) for slot in slots]
                 )
         return state
@@ -297,7 +301,7 @@ class ZeroDataParallel(WrappedModel, keras.Model):
             return []
         slot_ids = self._slots.all_slots()
         return [
-            (f"optimizer/{index}", variable)
+            (f"optimizer.{index}", variable)
             for index, variable in enumerate(
                 v for v in self.optimizer.variables if id(v) not in slot_ids
             )
