@@ -42,7 +42,9 @@ def _train(argv: list[str]) -> None:
     set_tensor_reduction(FLAGS.tensor_reduce)
     set_collective_timeout(FLAGS.collective_timeout)
     config = config_from_flags()
-    training_strategy = get_training_strategy(config.distribution.strategy, config.distribution.zero)
+    training_strategy = get_training_strategy(
+        config.distribution.strategy, config.distribution.zero
+    )
     cluster = training_strategy.resolve_cluster(config)
     quiet = quiet_unless_chief(cluster, FLAGS.verbose_workers)
     if cluster is not None and not cluster.is_chief and training_strategy.chief_drives_workers:

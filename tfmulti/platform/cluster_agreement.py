@@ -82,6 +82,7 @@ class WorkerNotices:
         )
         self.settings_path = stem + ".json"
         self.sigterm_path = stem + ".sigterm"
+        self.memory_path = stem + ".memory.json"
 
     def post_settings(self, settings: Mapping[str, str]) -> None:
         """Writes `settings` whole (a reader never sees half a file) and clears a notice a
@@ -98,8 +99,25 @@ class WorkerNotices:
         with open(self.sigterm_path, "w"):
             pass
 
+    def post_memory(self, peaks: Mapping[str, int | None]) -> None:
+        """Writes this worker's allocator peaks by device, whole, for the chief's record."""
+        scratch = f"{self.memory_path}.{os.getpid()}"
+        with open(scratch, "w") as handle:
+            json.dump(dict(peaks), handle)
+        os.replace(scratch, self.memory_path)
+
+    def read_memory(self, device: str) -> dict[str, int | None]:
+        """The peaks posted on `device`'s host, read there by TensorFlow; {} if none."""
+        import tensorflow as tf
+
+        try:
+            with tf.device(device):
+                return json.loads(tf.io.read_file(self.memory_path).numpy())
+        except tf.errors.NotFoundError:
+            return {}
+
     def remove(self) -> None:
-        for path in (self.settings_path, self.sigterm_path):
+        for path in (self.settings_path, self.sigterm_path, self.memory_path):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
 

@@ -212,8 +212,30 @@ def _serve_until_the_chief_has_gone(
     # told by the notice, it saves a step checkpoint, which reads this worker's
     # variables, so this worker serves on until the chief has gone.
     signal.signal(signal.SIGTERM, lambda signum, frame: notices.post_sigterm())
+    from tfmulti.platform.allocator_peaks import local_peaks
+
     while _listens(chief):
+        notices.post_memory(_as_served(local_peaks(), job, task))
         time.sleep(_POLL_SECONDS)
+
+
+def _as_served(peaks: dict, job: str, task: int) -> dict:
+    """This worker's device names as the chief sees them (its job and task, replica 0)."""
+    import tensorflow as tf
+
+    served = {}
+    for name, peak in peaks.items():
+        spec = tf.DeviceSpec.from_string(name).replace(job=job, replica=0, task=task)
+        served[spec.to_string()] = peak
+    return served
+
+
+def posted_worker_peaks() -> dict[str, int | None]:
+    """The allocator peaks every serving worker posted, by device as the chief names it."""
+    peaks: dict[str, int | None] = {}
+    for _, device, notices in _serving_workers:
+        peaks.update(notices.read_memory(device))
+    return peaks
 
 
 def devices_across_workers(cluster: ClusterInfo, count: int, purpose: str) -> list[str]:

@@ -125,6 +125,14 @@ def canonical_device_name(device: str) -> str:
     return tf.DeviceSpec.from_string(device).to_string()
 
 
+def full_device_name(device: str) -> str:
+    """`device` with job, replica and task, a process's own device as `/job:localhost`."""
+    spec = tf.DeviceSpec.from_string(device)
+    if spec.job is None:
+        spec = spec.replace(job="localhost", replica=0, task=0)
+    return spec.replace(device_type=(spec.device_type or "").upper()).to_string()
+
+
 def worker_device_name(device: str) -> str:
     """`/job:worker/replica:0/task:1/device:CPU:0` as `/job:worker/task:1/device:CPU:0`; a
     device of this process alone (no job, or job `localhost`) as `/device:CPU:0`."""

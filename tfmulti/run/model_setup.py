@@ -134,7 +134,9 @@ def build_compiled_model(
         sample_x: one global batch of inputs; builds the model and costs its pieces.
         cluster: the workers the run spans (None on one host).
     """
-    training_strategy = get_training_strategy(config.distribution.strategy, config.distribution.zero)
+    training_strategy = get_training_strategy(
+        config.distribution.strategy, config.distribution.zero
+    )
     source = model_source(config, info)
     context = BuildContext(sample_x, strategy, cluster)
     with training_strategy.scope(strategy):

@@ -114,6 +114,11 @@ class RunRecord:
         )
         self.write()
 
+    def set_memory(self, memory: dict) -> None:
+        """Records the bytes each device holds (`tfmulti.run.device_memory.memory_section`)."""
+        self.record["memory"] = memory
+        self.write()
+
     def finish(self, final: dict, failure: str | None = None) -> None:
         self.record["final"] = {name: _plain(value) for name, value in final.items()}
         self.record["status"] = "failed" if failure else "completed"

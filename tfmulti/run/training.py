@@ -22,6 +22,7 @@ from tfmulti.platform.cluster import ClusterInfo, worker_output_dir
 from tfmulti.platform.distribute_strategy import per_replica_batch_size
 from tfmulti.platform.input_sharding import check_file_sharding
 from tfmulti.run.callbacks import StopOnNonFiniteLoss, ThroughputLogger
+from tfmulti.run.device_memory import job_memory
 from tfmulti.run.epoch_checkpoint import EpochCheckpoint, latest_checkpoint
 from tfmulti.run.model_export import save_trained_model
 from tfmulti.run.model_setup import build_compiled_model
@@ -231,7 +232,9 @@ def train(config: TrainConfig) -> dict:
     """
     keras.utils.set_random_seed(config.run.seed)
     keras.mixed_precision.set_dtype_policy(config.model.dtype)
-    training_strategy = get_training_strategy(config.distribution.strategy, config.distribution.zero)
+    training_strategy = get_training_strategy(
+        config.distribution.strategy, config.distribution.zero
+    )
     cluster = training_strategy.resolve_cluster(config)
     strategy = training_strategy.make_strategy(config, cluster)
     replicas = training_strategy.data_replicas(config, strategy)
@@ -357,6 +360,9 @@ def train(config: TrainConfig) -> dict:
             f"Training stopped: {message}. Lower --learning_rate or use --dtype=float32."
         )
     final = model.evaluate(data.validation, steps=validation_steps, verbose=0, return_dict=True)
+    record.set_memory(
+        job_memory(model, cluster if training_strategy.chief_drives_workers else None)
+    )
     record.finish(final)
     if config.run.save_model and (cluster is None or cluster.is_chief):
         save_trained_model(model, config.run.save_model)

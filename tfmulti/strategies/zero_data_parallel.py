@@ -68,9 +68,8 @@ def _data_devices(config: TrainConfig, cluster: ClusterInfo | None) -> tuple[str
     if cluster is None:
         count = config.distribution.num_devices or len(logical_device_names(accelerator_type()))
         return tuple(first_logical_devices(count, f"--zero={config.distribution.zero}"))
-    per_worker = config.distribution.num_devices or len(logical_device_names(accelerator_type()))
-    return tuple(
-        devices_across_workers(
-            cluster, per_worker * cluster.num_workers, f"--zero={config.distribution.zero}"
-        )
-    )
+    # Connected, the chief lists every worker's devices as its own.
+    every_device = len(logical_device_names(accelerator_type()))
+    per_worker = config.distribution.num_devices
+    count = per_worker * cluster.num_workers if per_worker else every_device
+    return tuple(devices_across_workers(cluster, count, f"--zero={config.distribution.zero}"))

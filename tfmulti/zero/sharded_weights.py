@@ -138,15 +138,10 @@ class ShardedWeights:
                     if held[k][j] is not None:
                         held[k][j].assign(piece)
 
-    def bytes_by_device(self) -> dict[str, int]:
-        """Bytes of weight storage (blocks and copies) on each device."""
-        held = {device: 0 for device in self.devices}
-        for blocks in self.owned:
-            for device, block in zip(self.devices, blocks, strict=True):
-                held[device] += _variable_bytes(block)
-        for device, per_weight in zip(self.devices, self.copies, strict=True):
-            held[device] += sum(_variable_bytes(c) for row in per_weight for c in row if c)
-        return held
+    def storage(self) -> list:
+        """Every variable holding weight blocks or copies of them."""
+        copies = [copy for held in self.copies for row in held for copy in row if copy]
+        return [*self.owned_variables, *copies]
 
 
 def _new_block(variable, piece: np.ndarray, name: str, device: str) -> keras.Variable:
@@ -171,7 +166,3 @@ def _padded(gradient: tf.Tensor, layout: ShardLayout) -> tf.Tensor:
 def _weighted(gradient: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
     # A replica with no rows has a NaN mean loss; its gradient must count as zero.
     return tf.where(weight > 0, gradient * tf.cast(weight, gradient.dtype), 0.0)
-
-
-def _variable_bytes(variable) -> int:
-    return int(np.prod(variable.shape, dtype=np.int64)) * tf.as_dtype(variable.dtype).size

@@ -37,7 +37,6 @@ from tfmulti.zero.formulas import check_stage
 from tfmulti.zero.optimizer_slots import SlotMap
 from tfmulti.zero.sharded_weights import ShardedWeights
 
-
 # Attributes Keras' weight saving must not walk into: `save_own_variables` writes their
 # state whole instead, so checkpoints fit any device count.
 _NOT_SAVED_WALKING = frozenset({"optimizer", "weight_blocks", "plain_model"})
@@ -152,6 +151,14 @@ class ZeroDataParallel(WrappedModel, keras.Model):
             model.set_weights(weights)
             whole = [keras.ops.convert_to_numpy(v.value) for v in model.trainable_variables]
         self._sharded.assign_whole(whole)
+
+    def weight_storage(self) -> list:
+        """Every variable holding weights: the blocks, each device's copies, and the
+        plain model's non-trainable state (on the host)."""
+        return [
+            *self._sharded.storage(),
+            *self.plain_model.non_trainable_variables,
+        ]
 
     def _weights_changed(self) -> None:
         pass
