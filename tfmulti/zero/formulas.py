@@ -72,13 +72,19 @@ def zero_state_bytes(
 
 
 def zero_step_traffic(
-    stage: int, num_params: float, num_devices: int, weight_bytes: float = 4
+    stage: int,
+    num_params: float,
+    num_devices: int,
+    weight_bytes: float = 4,
+    regather_for_backward: bool = True,
 ) -> float:
     """Bytes each device sends per step: 2Ψ(N-1)/N for stages 0-2, 3Ψ(N-1)/N for stage 3.
 
     Stages 0-2 reduce-scatter gradients and all-gather weights (an all-reduce is the two);
-    stage 3 all-gathers weights once more, for the backward pass.
+    stage 3 all-gathers weights once more, for the backward pass, unless the gathered
+    weights stay until the backward has used them (`regather_for_backward=False`, FSDP's
+    `reshard_after_forward=False`, as `ZeroDataParallel` runs): 2Ψ(N-1)/N again.
     """
     check_stage(stage)
-    passes = 3 if stage == 3 else 2
+    passes = 3 if stage == 3 and regather_for_backward else 2
     return passes * num_params * weight_bytes * (num_devices - 1) / num_devices

@@ -76,9 +76,16 @@ class ShardedWeights:
                 reads = [blocks[j] if held[j] is None else held[j] for j in range(len(blocks))]
             else:
                 reads = blocks
-            joined = tf.concat([tf.convert_to_tensor(read) for read in reads], axis=0)
+            joined = tf.concat([self._read(read, j) for j, read in enumerate(reads)], axis=0)
             values.append(tf.reshape(joined[: layout.rows], layout.shape))
         return values
+
+    def _read(self, variable, owner: int) -> tf.Tensor:
+        """`variable`'s value read where it lives: device `owner` for a block, the
+        holding device for a copy; the caller's device receives it."""
+        device = self.devices[owner] if isinstance(variable, keras.Variable) else variable.device
+        with tf.device(device):
+            return tf.convert_to_tensor(variable)
 
     def reduce_scatter(
         self, gradients: list[list[tf.Tensor]], weights: list[tf.Tensor]
@@ -116,9 +123,9 @@ class ShardedWeights:
         for i, device in enumerate(self.devices):
             with tf.device(device):
                 for held, blocks in zip(self.copies[i], self.owned, strict=True):
-                    for copy, block in zip(held, blocks, strict=True):
+                    for owner, (copy, block) in enumerate(zip(held, blocks, strict=True)):
                         if copy is not None:
-                            updates.append(copy.assign(tf.convert_to_tensor(block)))
+                            updates.append(copy.assign(self._read(block, owner)))
         return updates
 
     def whole_numpy(self) -> list[np.ndarray]:
@@ -140,7 +147,7 @@ class ShardedWeights:
 
     def storage(self) -> list:
         """Every variable holding weight blocks or copies of them."""
-        copies = [copy for held in self.copies for row in held for copy in row if copy]
+        copies = [copy for held in self.copies for row in held for copy in row if copy is not None]
         return [*self.owned_variables, *copies]
 
 

@@ -152,6 +152,27 @@ class ZeroDataParallel(WrappedModel, keras.Model):
             whole = [keras.ops.convert_to_numpy(v.value) for v in model.trainable_variables]
         self._sharded.assign_whole(whole)
 
+    def communication_graph(self) -> tf.Graph:
+        """The step's traffic alone, traced: each replica's weight reads, the gradients'
+        reduce-scatter and (stages 1-2) the all-gather of new blocks, with zero gradients
+        standing for the backward's. `tfmulti.tensor_parallel.transfer_bytes.sent_bytes`
+        counts what each device sends in it."""
+
+        @tf.function(autograph=False)
+        def exchange():
+            gradients = []
+            for replica, device in enumerate(self.data_devices):
+                with tf.device(device):
+                    gradients.append(
+                        [tf.zeros_like(v) for v in self._sharded.whole_values(replica)]
+                    )
+            shares = [tf.constant(1.0) for _ in self.data_devices]
+            self._sharded.reduce_scatter(gradients, shares)
+            if self.stage < 3:
+                self._sharded.all_gather_updates()
+
+        return exchange.get_concrete_function().graph
+
     def weight_storage(self) -> list:
         """Every variable holding weights: the blocks, each device's copies, and the
         plain model's non-trainable state (on the host)."""
@@ -173,6 +194,16 @@ class ZeroDataParallel(WrappedModel, keras.Model):
         if self.optimizer is not None:
             place_optimizer_on_variable_devices(self.optimizer)
             self._slots = SlotMap.build(self.optimizer, self.weight_blocks)
+            finalize = self.optimizer.finalize_variable_values
+
+            def finalize_blocks(var_list):
+                # `fit` ends by finalizing `trainable_weights`, the plain model's; an EMA
+                # optimizer writes its averages into what it trained: the blocks.
+                finalize(self.weight_blocks)
+                if self.stage < 3:
+                    self._sharded.all_gather_updates()
+
+            object.__setattr__(self.optimizer, "finalize_variable_values", finalize_blocks)
 
     def call(self, inputs, training=False):
         outputs, _ = self._replica_outputs(inputs, training=training)
