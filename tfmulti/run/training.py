@@ -282,6 +282,9 @@ def train(config: TrainConfig) -> dict:
         "per_replica_batch_size": per_replica,
         "parameters": training_strategy.one_copy(model).count_params(),
     }
+    if hasattr(model, "sharding_record"):
+        run["zero"] = model.sharding_record()
+        logging.info("ZeRO: %s", run["zero"])
     split = split_summary(model)
     if split is not None:
         run["split"] = split.to_dict()

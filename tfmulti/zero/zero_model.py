@@ -34,6 +34,7 @@ from tfmulti.platform.devices import logical_device_names
 from tfmulti.platform.optimizer_devices import place_optimizer_on_variable_devices
 from tfmulti.wrapped_model import WrappedModel
 from tfmulti.zero.formulas import check_stage
+from tfmulti.zero.layout import padded_weights
 from tfmulti.zero.optimizer_slots import SlotMap
 from tfmulti.zero.sharded_weights import ShardedWeights
 
@@ -172,6 +173,19 @@ class ZeroDataParallel(WrappedModel, keras.Model):
                 self._sharded.all_gather_updates()
 
         return exchange.get_concrete_function().graph
+
+    def sharding_record(self) -> dict:
+        """What the run's record says of the sharding: stage, devices, the weights padded
+        to rows that divide by the devices (rows added), and the parameters with padding."""
+        layouts = dict(zip((v.path for v in self._sharded.variables), self._sharded.layouts))
+        return {
+            "stage": self.stage,
+            "devices": list(self.data_devices),
+            "padded_weights": padded_weights(layouts),
+            "parameters_with_padding": sum(
+                layout.shard_size * layout.num_shards for layout in layouts.values()
+            ),
+        }
 
     def weight_storage(self) -> list:
         """Every variable holding weights: the blocks, each device's copies, and the

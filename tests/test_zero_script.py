@@ -1,0 +1,152 @@
+"""`scripts/train.py --zero=1|2|3`: a user's model trained with sharded state, from the script."""
+
+import os
+import sys
+
+import keras
+import numpy as np
+import pytest
+from script_runner import USER_CODE_ENV, one_line_error, read_metrics, run_script
+
+USER_RUN = (
+    "--model=zero_user_model:model",
+    "--dataset=zero_user_model:data",
+    "--batch_size=32",
+    "--steps_per_epoch=3",
+    "--log_steps=1",
+)
+
+
+def _train(model_dir, *args):
+    result = run_script("train.py", *USER_RUN, f"--model_dir={model_dir}", *args, env=USER_CODE_ENV)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_metrics(str(model_dir))
+
+
+def _losses(metrics):
+    return [epoch["loss"] for epoch in metrics["epochs"]]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One device; ZeRO-2 over 4 devices; ZeRO-3 over 4 devices for one epoch, then resumed
+    over 2 devices for the second (a checkpoint read at another data-axis size)."""
+    root = tmp_path_factory.mktemp("zero_script")
+    one = _train(root / "one", "--strategy=one_device", "--epochs=2")
+    zero2 = _train(
+        root / "zero2",
+        "--strategy=mirrored",
+        "--virtual_devices=4",
+        "--zero=2",
+        "--epochs=2",
+        f"--save_model={root / 'zero2.keras'}",
+    )
+    _train(root / "zero3", "--strategy=mirrored", "--virtual_devices=4", "--zero=3", "--epochs=1")
+    resumed = _train(
+        root / "zero3",
+        "--strategy=mirrored",
+        "--virtual_devices=2",
+        "--zero=3",
+        "--epochs=2",
+        "--resume",
+    )
+    return {"root": root, "one": one, "zero2": zero2, "resumed": resumed}
+
+
+def test_zero_from_the_script_trains_a_users_model_as_one_device(runs):
+    np.testing.assert_allclose(_losses(runs["zero2"]), _losses(runs["one"]), rtol=1e-5)
+
+
+def test_zero_run_resumed_on_fewer_devices_ends_as_an_unbroken_run(runs):
+    assert runs["resumed"]["resumes"], runs["resumed"]
+    np.testing.assert_allclose(_losses(runs["resumed"]), _losses(runs["one"]), rtol=1e-5)
+    assert runs["resumed"]["run"]["num_replicas"] == 2
+
+
+def test_metrics_json_records_each_devices_bytes_at_stage_two(runs):
+    memory = runs["zero2"]["memory"]
+    sharding = runs["zero2"]["run"]["zero"]
+    assert sharding["stage"] == 2 and sharding["padded_weights"]  # 37, 30, 13 and 3 rows
+    params = sharding["parameters_with_padding"]
+    devices = [name for name in memory if name.startswith("/job:localhost")]
+    assert len(devices) == 4
+    for device in devices:
+        # Stage 2, AdamW in float32: whole weights everywhere, a quarter of the moments.
+        assert memory[device]["weights"] == pytest.approx(4 * params, rel=0.02)
+        assert memory[device]["optimizer"] == pytest.approx(8 * params / 4, rel=0.02)
+    # Logical devices share one allocator: no per-device peak to give.
+    assert {entry["peak"] for entry in memory.values()} == {None}
+
+
+def test_one_device_run_records_its_memory_too(runs):
+    memory = runs["one"]["memory"]
+    (device,) = memory
+    params = runs["one"]["run"]["parameters"]
+    assert memory[device]["weights"] == 4 * params
+    assert memory[device]["peak"] > 0  # one device in its process: the allocator's peak
+
+
+def test_saved_model_of_a_zero_run_is_plain_keras(runs):
+    sys.path.insert(0, USER_CODE_ENV["PYTHONPATH"].split(os.pathsep)[0])
+    loaded = keras.saving.load_model(str(runs["root"] / "zero2.keras"))
+    assert loaded.name == "zero_user_model"
+    assert loaded.count_params() == runs["zero2"]["run"]["parameters"]
+
+
+def test_zero_with_a_strategy_it_cannot_serve_is_one_line(tmp_path):
+    result = run_script("train.py", "--strategy=pipeline", "--zero=2", f"--model_dir={tmp_path}")
+    line = one_line_error(result, 2)
+    assert "--zero goes only with --strategy=mirrored or multi_worker" in line
+    assert not os.listdir(tmp_path)
+
+
+def test_an_unknown_zero_stage_is_one_line(tmp_path):
+    result = run_script("train.py", "--zero=4", f"--model_dir={tmp_path}")
+    line = one_line_error(result, 2)
+    assert "--zero" in line and "0|1|2|3" in line
+
+
+def _launch(model_dir, num_workers, *args):
+    result = run_script(
+        "launch.py",
+        f"--num_workers={num_workers}",
+        "--devices_per_worker=1",
+        "--",
+        sys.executable,
+        "scripts/train.py",
+        *USER_RUN,
+        "--strategy=multi_worker",
+        "--epochs=2",
+        f"--model_dir={model_dir}",
+        *args,
+        env=USER_CODE_ENV,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_metrics(str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def worker_runs(tmp_path_factory):
+    """ZeRO-3 over 2 launched workers and ZeRO-1 over 4, one device each."""
+    root = tmp_path_factory.mktemp("zero_workers")
+    return {
+        "zero3_2": _launch(root / "zero3_2", 2, "--zero=3"),
+        "zero1_4": _launch(root / "zero1_4", 4, "--zero=1"),
+    }
+
+
+@pytest.mark.parametrize("run", ["zero3_2", "zero1_4"])
+def test_zero_across_launched_workers_trains_as_one_device(runs, worker_runs, run):
+    np.testing.assert_allclose(_losses(worker_runs[run]), _losses(runs["one"]), rtol=1e-5)
+
+
+def test_memory_of_every_worker_is_gathered_on_the_chief_with_its_peak(worker_runs):
+    record = worker_runs["zero3_2"]
+    memory = record["memory"]
+    params = record["run"]["zero"]["parameters_with_padding"]
+    assert sorted(memory) == [f"/job:worker/replica:0/task:{task}/device:CPU:0" for task in (0, 1)]
+    for held in memory.values():
+        # Stage 3: a half of the weights and of AdamW's moments on each worker.
+        assert held["weights"] == pytest.approx(4 * params / 2, rel=0.02)
+        assert held["optimizer"] == pytest.approx(8 * params / 2, rel=0.02)
+        assert held["peak"] > held["weights"] + held["optimizer"]
