@@ -177,7 +177,9 @@ class ZeroDataParallel(WrappedModel, keras.Model):
     def sharding_record(self) -> dict:
         """What the run's record says of the sharding: stage, devices, the weights padded
         to rows that divide by the devices (rows added), and the parameters with padding."""
-        layouts = dict(zip((v.path for v in self._sharded.variables), self._sharded.layouts))
+        layouts = dict(
+            zip((v.path for v in self._sharded.variables), self._sharded.layouts, strict=True)
+        )
         return {
             "stage": self.stage,
             "devices": list(self.data_devices),
