@@ -65,7 +65,7 @@ def test_zero_run_resumed_on_fewer_devices_ends_as_an_unbroken_run(runs):
 
 def test_metrics_json_records_each_devices_bytes_at_stage_two(runs):
     memory = runs["zero2"]["memory"]
-    sharding = runs["zero2"]["run"]["zero"]
+    sharding = runs["zero2"]["run"]["sharding"]
     assert sharding["stage"] == 2 and sharding["padded_weights"]  # 37, 30, 13 and 3 rows
     params = sharding["parameters_with_padding"]
     devices = [name for name in memory if name.startswith("/job:localhost")]
@@ -143,7 +143,7 @@ def test_zero_across_launched_workers_trains_as_one_device(runs, worker_runs, ru
 def test_memory_of_every_worker_is_gathered_on_the_chief_with_its_peak(worker_runs):
     record = worker_runs["zero3_2"]
     memory = record["memory"]
-    params = record["run"]["zero"]["parameters_with_padding"]
+    params = record["run"]["sharding"]["parameters_with_padding"]
     assert sorted(memory) == [f"/job:worker/replica:0/task:{task}/device:CPU:0" for task in (0, 1)]
     for held in memory.values():
         # Stage 3: a half of the weights and of AdamW's moments on each worker.

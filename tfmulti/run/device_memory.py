@@ -77,12 +77,56 @@ def memory_section(
     }
 
 
-def job_memory(model: keras.Model, driven_cluster=None) -> dict[str, dict]:
-    """`memory_section` for this process's devices and, when the chief drives the other
-    workers (`driven_cluster`), theirs, with the peaks each serving worker posted."""
-    peaks = local_peaks(driven_cluster.task() if driven_cluster is not None else None)
-    if driven_cluster is not None:
+def job_memory(
+    model: keras.Model,
+    cluster=None,
+    strategy: tf.distribute.Strategy | None = None,
+    chief_drives: bool = False,
+) -> dict[str, dict]:
+    """`memory_section` of the whole job, as the chief records it.
+
+    Args:
+        model: the trained model.
+        cluster: the run's `ClusterInfo`, None on one host.
+        strategy: the run's strategy; under MultiWorkerMirroredStrategy every worker calls
+            this, and the workers' figures are all-gathered (a collective).
+        chief_drives: the chief drives the other workers' devices (their state is its
+            variables); their peaks come from what they posted.
+    """
+    task = cluster.task() if cluster is not None else None
+    peaks = local_peaks(task)
+    if cluster is None:
+        return memory_section(model, list(peaks), peaks)
+    if chief_drives:
         from tfmulti.platform.connected_cluster import posted_worker_peaks
 
         peaks.update(posted_worker_peaks())
-    return memory_section(model, list(peaks), peaks)
+        return memory_section(model, list(peaks), peaks)
+    own = memory_section(model, list(peaks), peaks)
+    own = {name: held for name, held in own.items() if name in peaks}
+    return _gathered_over_workers(own, strategy)
+
+
+def _gathered_over_workers(own: dict[str, dict], strategy) -> dict[str, dict]:
+    """Every worker's `own` section on every worker, all-gathered by `strategy`, one row
+    per replica in replica order (worker by worker, device by device)."""
+    names = list(own)
+    rows = [
+        [held["weights"], held["optimizer"], -1 if held["peak"] is None else held["peak"]]
+        for held in own.values()
+    ]
+    local = tf.constant(rows, dtype=tf.int64)
+    value = strategy.experimental_distribute_values_from_function(
+        lambda context: local[context.replica_id_in_sync_group % len(names) :][:1]
+    )
+    gathered = strategy.gather(value, axis=0).numpy()
+    section = {}
+    for replica, (weights, optimizer, peak) in enumerate(gathered):
+        task, index = divmod(replica, len(names))
+        device = tf.DeviceSpec.from_string(names[index]).replace(task=task).to_string()
+        section[device] = {
+            "weights": int(weights),
+            "optimizer": int(optimizer),
+            "peak": int(peak) if peak >= 0 else None,
+        }
+    return section

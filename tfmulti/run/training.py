@@ -283,8 +283,8 @@ def train(config: TrainConfig) -> dict:
         "parameters": training_strategy.one_copy(model).count_params(),
     }
     if hasattr(model, "sharding_record"):
-        run["zero"] = model.sharding_record()
-        logging.info("ZeRO: %s", run["zero"])
+        run["sharding"] = model.sharding_record()
+        logging.info("ZeRO sharding: %s", run["sharding"])
     split = split_summary(model)
     if split is not None:
         run["split"] = split.to_dict()
@@ -364,7 +364,7 @@ def train(config: TrainConfig) -> dict:
         )
     final = model.evaluate(data.validation, steps=validation_steps, verbose=0, return_dict=True)
     record.set_memory(
-        job_memory(model, cluster if training_strategy.chief_drives_workers else None)
+        job_memory(model, cluster, strategy, chief_drives=training_strategy.chief_drives_workers)
     )
     record.finish(final)
     if config.run.save_model and (cluster is None or cluster.is_chief):
