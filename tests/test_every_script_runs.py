@@ -29,6 +29,7 @@ MAIN_PATH_TESTS = {
     "benchmark_startup.py": "test_every_script_runs.py",
     "benchmark_across_hosts.py": "test_every_script_runs.py",
     "benchmark_cpu_allocator.py": "test_every_script_runs.py",
+    "benchmark_zero.py": "test_every_script_runs.py",
 }
 
 # The smallest run of each benchmark; test_documented_commands.py shrinks the documented
@@ -102,6 +103,15 @@ SMALLEST = {
         "--epochs=2",
         "--steps_per_epoch=2",
     ),
+    # Stage 0 (MultiWorkerMirroredStrategy) and 3 over 2 workers, a narrow MLP.
+    "benchmark_zero.py": (
+        "--workers=2",
+        "--stages=0,3",
+        "--width=32",
+        "--layers=1",
+        "--steps=2",
+        "--epochs=2",
+    ),
     # Its smallest measuring (one Transformer block, narrow) and --validate runs.
     "plan.py": (
         "--model_option=num_layers=1",
@@ -140,6 +150,7 @@ RUNS = {
         "benchmark_cpu_allocator.py",
         *SMALLEST["benchmark_cpu_allocator.py"],
     ),
+    "benchmark_zero": ("benchmark_zero.py", *SMALLEST["benchmark_zero.py"]),
 }
 
 
@@ -343,3 +354,21 @@ def test_benchmark_cpu_allocator_names_a_failing_run_in_one_line():
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     assert "--strategy=no_such" in result.stderr.strip().splitlines()[-1]
+
+
+def test_benchmark_zero_measures_every_workers_bytes_against_the_formulas(tmp_path):
+    out, plot = tmp_path / "zero.json", tmp_path / "zero.png"
+    stdout = _ran(run_script(*RUNS["benchmark_zero"], f"--out={out}", f"--plot={plot}"))
+    result = json.loads(stdout)
+    assert json.loads(out.read_text()) == result
+    assert_valid_png(plot)
+    runs = {run["stage"]: run for run in result["runs"]}
+    assert sorted(runs) == [0, 3]
+    for run in runs.values():
+        # Both workers' devices, gathered on the chief, each with its allocator's peak.
+        assert run["devices"] == 2
+        assert run["held_over_formula"] == pytest.approx(1.0, rel=0.02)
+        assert _finite_positive(run["peak_bytes_max"], run["step_time_ms"])
+    # Stage 3 holds half of stage 0's weights and optimizer state on each of 2 devices.
+    held = {s: r["weights_bytes_max"] + r["optimizer_bytes_max"] for s, r in runs.items()}
+    assert held[3] == pytest.approx(held[0] / 2, rel=0.02)
