@@ -204,12 +204,12 @@ def test_bytes_each_device_holds_match_the_zero_formulas(stage):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_bytes_sent_per_step_match_the_formula(stage):
-    model = _mlp()
-    zero = ZeroDataParallel(model, DEVICES, stage)
-    sent = sent_bytes(zero.communication_graph(), DEVICES[0])
-    expected = zero_step_traffic(
-        stage, _padded_params(model), NUM_DEVICES, regather_for_backward=False
-    )
+    """2Ψ(N-1)/N per device for stages 1-2; 3Ψ(N-1)/N for stage 3, which gathers each
+    layer's weights again for its backward (Ψ counted with the blocks' padding)."""
+    zero, _ = _train(_mlp, stage=stage)
+    graph = zero.step_graph(tf.TensorSpec((10,)), tf.TensorSpec((), tf.int64))
+    sent = sent_bytes(graph, DEVICES[0], skip_scalars=True)
+    expected = zero_step_traffic(stage, _padded_params(zero.plain_model), NUM_DEVICES)
     assert sorted(sent) == [("CPU", index) for index in range(NUM_DEVICES)]
     assert set(sent.values()) == {expected}
 

@@ -263,3 +263,61 @@ def restore_storage(variables, values, device: str) -> None:
 def compiled_metrics(model: keras.Model):
     """The metrics `compile` was given (`Trainer._compile_metrics`), or None."""
     return _private(model, "_compile_metrics", "Trainer._compile_metrics")
+
+
+def autocast_dtype() -> str | None:
+    """The dtype float variables are cast to where this runs (inside a mixed-precision
+    layer's call: its compute dtype), else None; `backend.get_autocast_scope`."""
+    from keras.src.backend.common import variables as keras_variables
+
+    scope = _private(keras_variables, "get_autocast_scope", "get_autocast_scope")()
+    return None if scope is None else scope.dtype
+
+
+def autocast_scope(dtype: str | None):
+    """Casts float variables read inside to `dtype` (nothing when None), as a layer's call
+    does under a mixed-precision policy; `backend.AutocastScope`."""
+    import contextlib
+
+    from keras.src.backend.common import variables as keras_variables
+
+    if dtype is None:
+        return contextlib.nullcontext()
+    return _private(keras_variables, "AutocastScope", "AutocastScope")(dtype)
+
+
+def own_trainable_variables(layer: keras.layers.Layer) -> list:
+    """The trainable variables `layer` created itself, not its sublayers'
+    (`Layer._trainable_variables`)."""
+    return list(_private(layer, "_trainable_variables", "Layer._trainable_variables"))
+
+
+def own_non_trainable_variables(layer: keras.layers.Layer) -> list:
+    """The non-trainable variables `layer` created itself (`Layer._non_trainable_variables`)."""
+    return list(_private(layer, "_non_trainable_variables", "Layer._non_trainable_variables"))
+
+
+def sublayers(layer: keras.layers.Layer) -> list:
+    """`layer`'s direct sublayers (`Layer._layers`)."""
+    return list(_private(layer, "_layers", "Layer._layers"))
+
+
+def call_takes_training(layer: keras.layers.Layer) -> bool:
+    """Whether `layer.call` takes a `training` argument (`Layer._call_has_training_arg`)."""
+    return bool(_private(layer, "_call_has_training_arg", "Layer._call_has_training_arg"))
+
+
+def skip_gradient_all_reduce(optimizer: keras.optimizers.Optimizer) -> None:
+    """Makes `optimizer` take its gradients as already summed over replicas.
+
+    Outside a strategy, Keras' TensorFlow optimizer still passes every gradient through the
+    default replica context's all-reduce (`TFOptimizer._all_reduce_sum_gradients`): an
+    identity with no device, which TensorFlow places on the first device, so each
+    gradient would travel there and back. For an optimizer (or a LossScaleOptimizer's
+    inner one) whose caller has reduced the gradients itself.
+    """
+    for target in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if target is None:
+            continue
+        _private(target, "_all_reduce_sum_gradients", "TFOptimizer._all_reduce_sum_gradients")
+        object.__setattr__(target, "_all_reduce_sum_gradients", lambda pairs: list(pairs))

@@ -67,14 +67,17 @@ def received_bytes(graph: tf.Graph, unplaced_device: str) -> dict[tuple[str, int
     return received
 
 
-def sent_bytes(graph: tf.Graph, unplaced_device: str) -> dict[tuple[str, int], int]:
+def sent_bytes(
+    graph: tf.Graph, unplaced_device: str, skip_scalars: bool = False
+) -> dict[tuple[str, int], int]:
     """Returns the bytes each device sends to other devices in `graph`, by `device_key`,
     collective all-reduces' ring traffic included.
 
-    Args are those of `cross_device_bytes`; devices that send nothing are left out.
+    Args are those of `cross_device_bytes`, and `skip_scalars`: leave out scalars (a
+    step's losses, counters and learning rate); devices that send nothing are left out.
     """
     sent = collective_bytes(graph, unplaced_device)
-    for source, _, num_bytes in transfers(graph, unplaced_device):
+    for source, _, num_bytes in transfers(graph, unplaced_device, skip_scalars):
         sent[source] = sent.get(source, 0) + num_bytes
     return sent
 
@@ -104,12 +107,14 @@ def collective_bytes(graph: tf.Graph, unplaced_device: str) -> dict[tuple[str, i
     return moved
 
 
-def transfers(graph: tf.Graph, unplaced_device: str) -> list[tuple[tuple, tuple, int]]:
+def transfers(
+    graph: tf.Graph, unplaced_device: str, skip_scalars: bool = False
+) -> list[tuple[tuple, tuple, int]]:
     """Returns (source, destination, bytes) of each tensor an op in `graph` reads from
     another device, once per tensor and destination; devices by `device_key`. Collectives'
     own traffic is not a graph edge: `collective_bytes` counts it.
 
-    Args are those of `cross_device_bytes`.
+    Args are those of `sent_bytes`.
     """
     captured_devices = {
         id(internal): external.device
@@ -140,6 +145,8 @@ def transfers(graph: tf.Graph, unplaced_device: str) -> list[tuple[tuple, tuple,
                 continue
             source = device_of(producer)
             if source == destination or (tensor.name, destination) in seen:
+                continue
+            if skip_scalars and tensor.shape.rank == 0:
                 continue
             if not tensor.shape.is_fully_defined():
                 raise ValueError(

@@ -30,6 +30,7 @@ class ShardedWeights:
         self.devices = tuple(devices)
         self.keep_whole_copies = keep_whole_copies
         self.layouts = [ShardLayout(tuple(v.shape), len(devices)) for v in self.variables]
+        self._index = {id(variable): k for k, variable in enumerate(self.variables)}
         self.owned: list[list[keras.Variable]] = []
         # copies[i][k][j]: device i's copy of block j of weight k (None where i owns it).
         self.copies: list[list[list[tf.Variable | None]]] = []
@@ -59,9 +60,48 @@ class ShardedWeights:
         """Every block, weight by weight, device by device: what the optimizer updates."""
         return [block for blocks in self.owned for block in blocks]
 
-    def block_index(self, weight: int, device: int) -> int:
-        """Where block `device` of weight `weight` sits in `owned_variables`."""
-        return weight * len(self.devices) + device
+    def index_of(self, variable) -> int | None:
+        """Which weight `variable` is (its place in `variables`), None if not sharded here."""
+        return self._index.get(id(variable))
+
+    def block_reads(self, weight: int) -> list[tf.Tensor]:
+        """Weight `weight`'s blocks, each read on its owner (a tape records the reads)."""
+        return [self._read(block, owner) for owner, block in enumerate(self.owned[weight])]
+
+    def join(self, weight: int, blocks: list[tf.Tensor]) -> tf.Tensor:
+        """Weight `weight` whole from its blocks, made under the caller's device scope."""
+        layout = self.layouts[weight]
+        joined = tf.concat(blocks, axis=0)
+        return tf.reshape(joined[: layout.rows], layout.shape)
+
+    def split(self, weight: int, whole: tf.Tensor) -> list[tf.Tensor]:
+        """A whole-weight tensor (a gradient) cut into its padded blocks, on the caller's device."""
+        return tf.split(_padded(whole, self.layouts[weight]), len(self.devices))
+
+    def reduce_blocks(
+        self, gradients: list[list[tf.Tensor | None]], weights: list[tf.Tensor]
+    ) -> list[tf.Tensor]:
+        """Each block's gradient summed over replicas on its owner (a reduce-scatter of
+        gradients already cut into blocks on each replica's device).
+
+        Args:
+            gradients: gradients[i][b], replica i's gradient of `owned_variables[b]`, on
+                device i (None where the replica's step did not use that weight).
+            weights: weights[i], replica i's share of the batch.
+        """
+        reduced = []
+        for index, block in enumerate(self.owned_variables):
+            owner = index % len(self.devices)
+            pieces = []
+            for replica, device in enumerate(self.devices):
+                gradient = gradients[replica][index]
+                if gradient is None:
+                    continue
+                with tf.device(device):
+                    pieces.append(_weighted(tf.convert_to_tensor(gradient), weights[replica]))
+            with tf.device(self.devices[owner]):
+                reduced.append(tf.add_n(pieces) if pieces else tf.zeros(block.shape, block.dtype))
+        return reduced
 
     def whole_values(self, replica: int) -> list[tf.Tensor]:
         """Every weight whole, made on device `replica` (call inside its device scope).

@@ -24,16 +24,19 @@ import tensorflow as tf
 from keras.utils import unpack_x_y_sample_weight
 
 from tfmulti.compat.keras_internals import (
+    call_takes_training,
     compiled_metrics,
     compute_loss,
     release_storage,
     restore_storage,
+    skip_gradient_all_reduce,
     track_loss,
 )
 from tfmulti.platform.devices import logical_device_names
 from tfmulti.platform.optimizer_devices import place_optimizer_on_variable_devices
 from tfmulti.wrapped_model import WrappedModel
 from tfmulti.zero.formulas import check_stage
+from tfmulti.zero.gather_on_read import GatherOnRead, regatherable_layers, regathered_layers
 from tfmulti.zero.layout import padded_weights
 from tfmulti.zero.optimizer_slots import SlotMap
 from tfmulti.zero.sharded_weights import ShardedWeights
@@ -87,6 +90,7 @@ class ZeroDataParallel(WrappedModel, keras.Model):
         # Tracked: the blocks are what the optimizer trains and Keras' fit sees.
         self.weight_blocks = self._sharded.owned_variables
         self._slots: SlotMap | None = None
+        self._regathered = regatherable_layers(model, self._sharded) if stage == 3 else []
         release_storage(model.trainable_variables)
         self.built = True
 
@@ -153,26 +157,20 @@ class ZeroDataParallel(WrappedModel, keras.Model):
             whole = [keras.ops.convert_to_numpy(v.value) for v in model.trainable_variables]
         self._sharded.assign_whole(whole)
 
-    def communication_graph(self) -> tf.Graph:
-        """The step's traffic alone, traced: each replica's weight reads, the gradients'
-        reduce-scatter and (stages 1-2) the all-gather of new blocks, with zero gradients
-        standing for the backward's. `tfmulti.tensor_parallel.transfer_bytes.sent_bytes`
-        counts what each device sends in it."""
+    def step_graph(self, x_spec: tf.TensorSpec, y_spec: tf.TensorSpec) -> tf.Graph:
+        """The training step traced for a batch of no rows, so every tensor that crosses
+        devices in it is state: weights gathered, gradients reduce-scattered, new blocks
+        copied (`transfer_bytes.sent_bytes(..., skip_scalars=True)` counts them).
 
-        @tf.function(autograph=False)
-        def exchange():
-            gradients = []
-            for replica, device in enumerate(self.data_devices):
-                with tf.device(device):
-                    gradients.append(
-                        [tf.zeros_like(v) for v in self._sharded.whole_values(replica)]
-                    )
-            shares = [tf.constant(1.0) for _ in self.data_devices]
-            self._sharded.reduce_scatter(gradients, shares)
-            if self.stage < 3:
-                self._sharded.all_gather_updates()
+        Args:
+            x_spec, y_spec: one example's input and target (shape without the batch axis).
+        """
 
-        return exchange.get_concrete_function().graph
+        def empty(spec):
+            return tf.TensorSpec((0, *spec.shape), spec.dtype)
+
+        step = tf.function(lambda x, y: self.train_step((x, y)), autograph=False)
+        return step.get_concrete_function(empty(x_spec), empty(y_spec)).graph
 
     def sharding_record(self) -> dict:
         """What the run's record says of the sharding: stage, devices, the weights padded
@@ -209,6 +207,7 @@ class ZeroDataParallel(WrappedModel, keras.Model):
         super().compile(*args, **kwargs)
         if self.optimizer is not None:
             place_optimizer_on_variable_devices(self.optimizer)
+            skip_gradient_all_reduce(self.optimizer)  # the step reduce-scatters them
             self._slots = SlotMap.build(self.optimizer, self.weight_blocks)
             finalize = self.optimizer.finalize_variable_values
 
@@ -231,17 +230,31 @@ class ZeroDataParallel(WrappedModel, keras.Model):
         outputs = []
         for replica, device in enumerate(self.data_devices):
             with tf.device(device):
-                values = self._sharded.whole_values(replica)
-                output, _, _ = self._stateless_forward(values, parts[replica], training)
+                values = None if self.stage == 3 else self._sharded.whole_values(replica)
+                output, _, _ = self._forward(replica, values, parts[replica], training)
                 outputs.append(output)
         return keras.tree.map_structure(lambda *xs: tf.concat(xs, 0), *outputs), parts
 
-    def _stateless_forward(self, trainable_values, x, training: bool):
+    def _forward(self, replica: int, whole_values, x, training: bool):
+        """(outputs, new non-trainable values, losses) of one replica's forward: on whole
+        weights it holds (stages 1-2), or gathering each layer's where it runs (stage 3)."""
         model = self.plain_model
-        non_trainable = [tf.identity(v.value) for v in model.non_trainable_variables]
-        return model.stateless_call(
-            trainable_values, non_trainable, x, return_losses=True, training=training
+        state = [tf.identity(v.value) for v in model.non_trainable_variables]
+        if whole_values is not None:
+            return model.stateless_call(
+                whole_values, state, x, return_losses=True, training=training
+            )
+        scope = GatherOnRead(
+            self._sharded, replica, list(zip(model.non_trainable_variables, state, strict=True))
         )
+        with scope, regathered_layers(self._regathered, scope):
+            if call_takes_training(model):
+                outputs = model.call(x, training=training)
+            else:
+                outputs = model.call(x)
+            losses = model.losses
+        new_state = [scope.get_current_value(v) for v in model.non_trainable_variables]
+        return outputs, new_state, losses
 
     def train_step(self, data):
         x, y, sample_weight = unpack_x_y_sample_weight(data)
@@ -255,18 +268,21 @@ class ZeroDataParallel(WrappedModel, keras.Model):
             with tf.device(device):
                 rows = tf.cast(_rows(x_parts[replica]), tf.float32)
                 share = rows / total_rows
-                values = self._sharded.whole_values(replica)
+                values = None if self.stage == 3 else self._sharded.whole_values(replica)
                 with tf.GradientTape() as tape:
-                    tape.watch(values)
-                    y_pred, new_state, extra = self._stateless_forward(
-                        values, x_parts[replica], training=True
+                    if values is not None:
+                        tape.watch(values)
+                    y_pred, new_state, extra = self._forward(
+                        replica, values, x_parts[replica], training=True
                     )
                     loss = compute_loss(
                         self, x_parts[replica], y_parts[replica], y_pred, weight_parts[replica]
                     )
                     loss = loss + tf.add_n([tf.cast(e, loss.dtype) for e in extra] or [0.0])
                     scaled = self.optimizer.scale_loss(loss)
-                replica_gradients = tape.gradient(scaled, values)
+                # Stage 3 differentiates the block reads, each replica's gradients cut
+                # into blocks already; stages 1-2 differentiate their whole weights.
+                replica_gradients = tape.gradient(scaled, values or self.weight_blocks)
                 if self.stage == 1:
                     # Stage 1 holds every gradient whole until the backward ends, then
                     # reduce-scatters; stage 2 sends each as soon as it exists.
@@ -279,7 +295,10 @@ class ZeroDataParallel(WrappedModel, keras.Model):
                     compiled_metrics(self).update_state(
                         y_parts[replica], y_pred, weight_parts[replica]
                     )
-        reduced = self._sharded.reduce_scatter(gradients, shares)
+        if self.stage == 3:
+            reduced = self._sharded.reduce_blocks(gradients, shares)
+        else:
+            reduced = self._sharded.reduce_scatter(gradients, shares)
         self.optimizer.apply(reduced, self.weight_blocks)
         if self.stage < 3:
             self._sharded.all_gather_updates()
@@ -369,8 +388,10 @@ class ZeroDataParallel(WrappedModel, keras.Model):
         return [list(kind) for kind in zip(*per_block, strict=True)]
 
 
-def _rows(tensors) -> tf.Tensor:
-    return tf.shape(keras.tree.flatten(tensors)[0])[0]
+def _rows(tensors):
+    """The rows of a batch: a number where its shape says, else a tensor."""
+    first = keras.tree.flatten(tensors)[0]
+    return first.shape[0] if first.shape[0] is not None else tf.shape(first)[0]
 
 
 def _split_rows(tensors, parts: int) -> list:
