@@ -40,10 +40,10 @@ from tfmulti.zero.formulas import zero_state_bytes  # noqa: E402
 flags.DEFINE_list("workers", ["2", "4"], "Worker counts N (one device each).")
 flags.DEFINE_list("stages", ["0", "1", "2", "3"], "ZeRO stages to run.")
 flags.DEFINE_integer("width", 1024, "Units of each hidden layer.", lower_bound=1)
-flags.DEFINE_integer("layers", 3, "Hidden layers.", lower_bound=1)
+flags.DEFINE_integer("layers", 8, "Hidden layers.", lower_bound=1)
 flags.DEFINE_integer("batch_size", 16, "Global batch.", lower_bound=1)
-flags.DEFINE_integer("steps", 10, "Steps per epoch.", lower_bound=1)
-flags.DEFINE_integer("epochs", 3, "Epochs; the first one's steps are not timed.", lower_bound=2)
+flags.DEFINE_integer("steps", 5, "Steps per epoch.", lower_bound=1)
+flags.DEFINE_integer("epochs", 2, "Epochs; the first one's steps are not timed.", lower_bound=2)
 flags.DEFINE_string("out", None, "Also write the JSON result to this file.")
 flags.DEFINE_string("plot", None, "Draw bytes per device and step time to this PNG.")
 FLAGS = flags.FLAGS
@@ -62,7 +62,7 @@ def _run(num_workers: int, stage: int, model_dir: str) -> dict:
         "--strategy=multi_worker",
         f"--zero={stage}",
         "--model=mlp",
-        f"--model_option=hidden_units={list(hidden)}",
+        f"--model_option=hidden_units={list(hidden)!r}".replace(" ", ""),
         "--dataset=digits",
         "--optimizer=adam",
         f"--batch_size={FLAGS.batch_size}",
@@ -105,6 +105,7 @@ def _summary(num_workers: int, stage: int, record: dict) -> dict:
         "held_over_formula": (max(weights) + max(optimizer))
         / (formula.weights + formula.optimizer),
         "peak_bytes_max": max(peaks) if peaks else None,
+        "peak_bytes": [entry["peak"] for entry in memory.values()],
         "step_time_ms": statistics.median(e["step_time_ms"] for e in record["epochs"][1:]),
     }
 

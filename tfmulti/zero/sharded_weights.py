@@ -211,5 +211,5 @@ def _padded(gradient: tf.Tensor, layout: ShardLayout) -> tf.Tensor:
 
 
 def _weighted(gradient: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
-    # A replica with no rows has a NaN mean loss; its gradient must count as zero.
-    return tf.where(weight > 0, gradient * tf.cast(weight, gradient.dtype), 0.0)
+    # A replica with no rows has a NaN mean loss; its gradient, weighted 0, counts as zero.
+    return tf.math.multiply_no_nan(gradient, tf.cast(weight, gradient.dtype))
