@@ -26,7 +26,7 @@ LAYERS = [
     ],
     ["tfmulti.compat", "tfmulti.pipeline", "tfmulti.platform", "tfmulti.config"],
     ["tfmulti.costing", "tfmulti.collectives", "tfmulti.data", "tfmulti.wrapped_model"],
-    ["tfmulti.tensor_parallel"],
+    ["tfmulti.tensor_parallel", "tfmulti.zero"],
     ["tfmulti.keras_distribution", "tfmulti.pipeline.stages"],
     ["tfmulti.placement", "tfmulti.pipeline.runtime"],
     ["tfmulti.hybrid"],

@@ -101,6 +101,20 @@ def _exhaustive_step_times(costs, num_devices, hardware):
                 memory = max(h + a for h, a in zip(held, result.peak_activation_bytes, strict=True))
                 key = (HybridMesh(data, pipe, tensor), schedule, m, chunks, cuts)
                 outcomes[key] = (result.makespan + allreduce, memory)
+                if data == 1 or pipe > 1 or tensor > 1:
+                    continue
+                # ZeRO: of the 16 bytes a float32 Adam parameter holds, 4 of weights and 4
+                # of gradients; stage 1 shares the other 8 over the devices, stage 2 the
+                # gradients too, stage 3 everything, sends the weights a third time and
+                # runs each forward twice.
+                per_param = hardware.bytes_per_param
+                live = result.peak_activation_bytes[0]
+                for zero, shared in ((1, per_param - 8), (2, per_param - 4), (3, per_param)):
+                    state = params[0] * ((per_param - shared) + shared / data)
+                    time = result.makespan + allreduce
+                    if zero == 3:
+                        time += m * stage_costs[0].forward + allreduce / 2
+                    outcomes[(*key, zero)] = (time, state + live)
     return outcomes
 
 
@@ -130,6 +144,25 @@ def test_top_layout_under_a_memory_cap_is_the_fastest_that_fits():
     assert layouts and all(layout.peak_memory <= cap for layout in layouts)
     assert layouts[0].step_time == pytest.approx(min(fitting), rel=1e-9)
     assert layouts[0].step_time > unconstrained[0]
+
+
+def test_planner_proposes_zero_when_only_sharded_state_fits():
+    costs = _costs(tensor_sizes=(1,))
+    plain = search_layouts(costs, 4, GLOBAL_BATCH, HARDWARE, max_microbatches=GLOBAL_BATCH)
+    data_parallel = next(x for x in plain if x.mesh == HybridMesh(data=4) and not x.zero)
+    zero3 = next(x for x in plain if x.mesh == HybridMesh(data=4) and x.zero == 3)
+    cap = (data_parallel.peak_memory + zero3.peak_memory) / 2
+    layouts = search_layouts(
+        costs,
+        4,
+        GLOBAL_BATCH,
+        Hardware(bandwidth=HARDWARE.bandwidth, memory_per_device=cap),
+        max_microbatches=GLOBAL_BATCH,
+    )
+    assert layouts and all(layout.peak_memory <= cap for layout in layouts)
+    data_only = [layout for layout in layouts if layout.mesh == HybridMesh(data=4)]
+    assert data_only and all(layout.zero > 0 for layout in data_only)
+    assert "--zero=" in " ".join(train_flags(data_only[0], costs, GLOBAL_BATCH))
 
 
 def test_memory_cap_below_every_layout_leaves_none():

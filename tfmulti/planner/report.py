@@ -33,7 +33,8 @@ def layout_row(rank: int, layout: Layout) -> tuple[str, ...]:
     """One table row: rank, mesh, schedule, m, v, split, step ms, bubble, peak MiB."""
     return (
         str(rank),
-        f"{layout.mesh.data}x{layout.mesh.pipe}x{layout.mesh.tensor}",
+        f"{layout.mesh.data}x{layout.mesh.pipe}x{layout.mesh.tensor}"
+        + (f" zero{layout.zero}" if layout.zero else ""),
         layout.schedule or "-",
         str(layout.num_microbatches),
         str(layout.chunks),
@@ -87,6 +88,7 @@ def layout_json(layout: Layout, costs: ModelCosts, global_batch: int) -> dict:
         "overhead_time": layout.overhead_time,
         "bubble_fraction": layout.bubble_fraction,
         "peak_memory_bytes": layout.peak_memory,
+        "zero": layout.zero,
         "hosts": layout.hosts,
         "cross_host_axis": layout.cross_host_axis,
         "train_flags": train_flags(layout, costs, global_batch),

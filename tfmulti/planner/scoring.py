@@ -40,6 +40,7 @@ from tfmulti.planner.hosts import (
 )
 from tfmulti.planner.train_strategy import EXECUTOR_STRATEGIES, train_strategy
 from tfmulti.platform.mesh import HybridMesh
+from tfmulti.zero.formulas import zero_state_bytes
 
 # The schedule a one-device "pipeline" runs: one forward, one backward.
 NO_PIPELINE = "gpipe"
@@ -67,6 +68,7 @@ class Layout:
         cross_host_axis: the mesh axis across the hosts, "data" or "pipe"; None on one host.
         launch_options: `scripts/launch.py` flags that put the workers on real hosts
             (`--hosts_file`, `--remote_shell`), given to `plan.py --launch_option`.
+        zero: the ZeRO stage of a data-parallel layout (`--zero`), 0 for none.
     """
 
     mesh: HybridMesh
@@ -84,6 +86,7 @@ class Layout:
     hosts: int = 1
     cross_host_axis: str | None = None
     launch_options: tuple[str, ...] = ()
+    zero: int = 0
 
     @property
     def key(self) -> tuple:
@@ -96,6 +99,7 @@ class Layout:
             self.boundaries,
             self.hosts,
             self.cross_host_axis,
+            self.zero,
         )
 
 
@@ -113,6 +117,7 @@ def score_layout(
     run_overhead: float = 0.0,
     hosts: int = 1,
     cross_host_axis: str | None = None,
+    zero: int = 0,
 ) -> Layout:
     """Simulates one layout.
 
@@ -132,6 +137,9 @@ def score_layout(
         hosts: hosts the mesh is laid over, an equal share of its devices on each.
         cross_host_axis: with hosts > 1, the axis across them: one of
             `tfmulti.planner.hosts.cross_host_axes(mesh, hosts)`.
+        zero: the ZeRO stage of a data-only mesh (`tfmulti.zero`): state held per device by
+            ZeRO's formulas; stage 3 sends its weights once more per step and runs each
+            forward again in the backward, where it gathers them anew.
 
     Returns:
         The scored `Layout`.
@@ -142,6 +150,11 @@ def score_layout(
         15.0
     """
     check_cross_host_axis(mesh, hosts, cross_host_axis)
+    if zero and (mesh.pipe > 1 or mesh.tensor > 1 or mesh.data < 2):
+        raise ValueError(
+            f"ZeRO shards the state of data parallelism: it needs a data-only mesh of 2 or "
+            f"more devices. Received: mesh={mesh}, zero={zero}"
+        )
     num_stages = mesh.pipe * chunks
     if len(boundaries) != num_stages - 1:
         raise ValueError(
@@ -196,6 +209,12 @@ def score_layout(
     device_memory = [0.0] * mesh.pipe
     for stage, device in zip(stage_blocks, plan.stage_devices, strict=True):
         device_memory[device] += sum(block.param_bytes for block in stage)
+    if zero:
+        device_memory = [zero_held_bytes(blocks, mesh.data, zero, hardware)]
+        if zero == 3:
+            # A third pass of weights (2 -> 3), and each forward again in the backward.
+            allreduce_time *= 1.5
+            pipeline_time += num_microbatches * stage_costs[0].forward
     peak_memory = max(
         held + live for held, live in zip(device_memory, result.peak_activation_bytes, strict=True)
     )
@@ -243,7 +262,25 @@ def score_layout(
         uncertainty=step_time * spread,
         hosts=hosts,
         cross_host_axis=cross_host_axis,
+        zero=zero,
     )
+
+
+def zero_held_bytes(
+    blocks: Sequence[Block], num_devices: int, stage: int, hardware: Hardware
+) -> float:
+    """Bytes of weights, gradients and optimizer state a device holds under ZeRO `stage`:
+    float32 weights and gradients, the rest of `hardware.bytes_per_param` optimizer state."""
+    params = sum(block.params for block in blocks)
+    optimizer_bytes = max(hardware.bytes_per_param - 2 * GRADIENT_BYTES_PER_PARAM, 0.0)
+    return zero_state_bytes(
+        stage,
+        params,
+        num_devices,
+        GRADIENT_BYTES_PER_PARAM,
+        GRADIENT_BYTES_PER_PARAM,
+        optimizer_bytes,
+    ).total
 
 
 def runs_pipeline_executor(mesh: HybridMesh, hosts: int = 1) -> bool:

@@ -29,6 +29,7 @@ from tfmulti.planner.hosts import cross_host_axes, hosts_used
 from tfmulti.planner.overlap_anchor import anchored_overlap
 from tfmulti.planner.scoring import Layout, score_layout
 from tfmulti.platform.mesh import HybridMesh
+from tfmulti.zero.formulas import ZERO_STAGES
 
 # Up to this many contiguous splits per pipeline shape, all are simulated (exact optimum);
 # beyond it, only the balancer's.
@@ -131,6 +132,20 @@ def search_layouts(
             )
             if best is not None:
                 layouts.append(best)
+            if mesh.data > 1 and mesh.pipe == 1 and mesh.tensor == 1:
+                # Data parallelism with its state sharded: the same step, less memory.
+                for zero in ZERO_STAGES[1:]:
+                    sharded = _best_split(
+                        blocks,
+                        mesh,
+                        (schedule, num_microbatches, chunks),
+                        (mesh_hosts, cross_host_axis),
+                        pipeless_hardware,
+                        costs,
+                        zero,
+                    )
+                    if sharded is not None:
+                        layouts.append(sharded)
     return sorted(layouts, key=_rank)
 
 
@@ -148,7 +163,14 @@ def model_hardware(costs: ModelCosts, hardware: Hardware) -> Hardware:
 
 
 def _rank(layout: Layout) -> tuple:
-    return (layout.step_time, layout.peak_memory, layout.mesh.num_devices, str(layout.key))
+    # Of equal steps, the lower ZeRO stage: it shards only what it must.
+    return (
+        layout.step_time,
+        layout.zero,
+        layout.peak_memory,
+        layout.mesh.num_devices,
+        str(layout.key),
+    )
 
 
 def _pipeline_shapes(
@@ -181,9 +203,10 @@ def _best_split(
     placement: tuple[int, str | None],
     hardware: Hardware,
     costs: ModelCosts,
+    zero: int = 0,
 ) -> Layout | None:
     """The fastest split that fits, for a pipeline `shape` (schedule, micro-batches,
-    chunks) on a `placement` (hosts, axis across them)."""
+    chunks) on a `placement` (hosts, axis across them), at ZeRO stage `zero`."""
     schedule, num_microbatches, chunks = shape
     hosts, cross_host_axis = placement
     splits = _candidate_splits(blocks, mesh.pipe * chunks, num_microbatches, schedule, hardware)
@@ -202,6 +225,7 @@ def _best_split(
             run_overhead=costs.run_overhead,
             hosts=hosts,
             cross_host_axis=cross_host_axis,
+            zero=zero,
         )
         for split in splits
     )

@@ -48,6 +48,8 @@ def train_flags(layout: Layout, costs: ModelCosts, global_batch: int) -> list[st
         flags.append(f"--num_stages={mesh.pipe}")
     elif strategy == "model_parallel":
         flags.append(f"--tensor_parallel={mesh.tensor}")
+    if layout.zero:
+        flags.append(f"--zero={layout.zero}")
     if mesh.pipe > 1:
         flags += [
             f"--microbatches={layout.num_microbatches}",
