@@ -78,6 +78,8 @@ RUN_BY_SCRIPT_TESTS = {
     ".venv/bin/python scripts/benchmark_parallel.py --sections=keras_llama "
     "--llama_ways=1,2,4,2x4": "benchmark_parallel",
     ".venv/bin/python scripts/benchmark_parallel.py --sections=mesh3d": "benchmark_parallel",
+    ".venv/bin/python scripts/benchmark_zero.py --workers=2,4 --out=docs/benchmarks/zero.json "
+    "--plot=docs/benchmarks/zero.png": "benchmark_zero",
     ".venv/bin/python scripts/benchmark_parallel.py --sections=mesh3d "
     "--meshes=data=2,pipe=2,tensor=2 --meshes=data=1,pipe=2,tensor=4 --out=/tmp/mesh3d.json": (
         "benchmark_parallel"

@@ -48,6 +48,7 @@ _LAZY_EXPORTS = {
     "variable_bytes_per_device": "tfmulti.parallel",
     "HybridPipelineModel": "tfmulti.hybrid",
     "parse_mesh": "tfmulti.platform.mesh",
+    "ZeroDataParallel": "tfmulti.zero.zero_model",
 }
 
 
