@@ -74,11 +74,14 @@ STRATEGIES = {
         "--microbatches=2",
         "--schedule=1f1b",
     ),
+    # ZeRO: weights and Adam's moments in blocks over the devices, saved whole.
+    "mirrored_zero3": ("--strategy=mirrored", "--virtual_devices=2", "--zero=3"),
+    "mirrored_zero1": ("--strategy=mirrored", "--virtual_devices=2", "--zero=1"),
 }
 # Each strategy is stopped once, by SIGKILL or by SIGTERM (both resume from a step checkpoint
 # that StepCheckpoint.save wrote): one_device by SIGKILL in the damaged-checkpoint test below.
-KILLED = ["mirrored_batchnorm", "keras_model_parallel", "hybrid_3d"]
-PREEMPTED = ["pipeline", "model_parallel", "hybrid"]
+KILLED = ["mirrored_batchnorm", "keras_model_parallel", "hybrid_3d", "mirrored_zero3"]
+PREEMPTED = ["pipeline", "model_parallel", "hybrid", "mirrored_zero1"]
 
 
 def final_weights(model_dir: str) -> list[np.ndarray]:
