@@ -240,12 +240,13 @@ def test_an_empty_read_of_the_list_is_ignored():
 
 
 def test_a_slot_failing_more_than_its_restarts_is_dropped_and_the_job_goes_on_smaller(tmp_path):
+    """`--max_restarts_per_worker` alone restarts a failed slot (no `--max_restarts`)."""
     result = run_launcher(
-        ["--num_workers=2:3", "--max_restarts_per_worker=1", "--max_restarts=1"],
+        ["--num_workers=2:3", "--max_restarts_per_worker=1"],
         ["--run_dir", str(tmp_path), "--fail_slots=slot2"],
     )
     assert result.returncode == 0, result.stderr
-    assert "restarting all workers (1/1)" in result.stderr
+    assert "restarting all workers (failed slot restarts: slot2 1/1)" in result.stderr
     assert (
         "launch: slot2 failed more than --max_restarts_per_worker=1 times; slot2 left; "
         "2 workers (slot0, slot1); restarting the group" in result.stderr

@@ -180,9 +180,10 @@ def launch(
             where Linux allows it, else warns in one line naming the open ports;
             "namespace" refuses to start (status 1, one line) without that network;
             "none" warns and does not try. Default: `$TFMULTI_ISOLATION`, else "auto".
-        max_restarts_per_worker: a slot whose worker fails more often than this is
-            dropped and the group restarts on the rest, if at least MIN (these restarts do
-            not count against `max_restarts`). None: slots are never dropped for failures.
+        max_restarts_per_worker: a failed slot's worker restarts (the whole group) up to
+            this many times, whatever `max_restarts` is; a slot that fails more often is
+            dropped and the group restarts on the rest, if at least MIN. None: failures
+            count against `max_restarts` only, and slots are never dropped for them.
         hosts_file: the slots, one a line, re-read while the job runs: a slot that leaves
             or joins stops the group on the preemption path (a step checkpoint at an
             agreed step) and restarts it on the new slots.
@@ -293,6 +294,19 @@ def launch(
                 f"--max_restarts_per_worker={max_restarts_per_worker} times; "
                 f"{change.describe()}; restarting the group\n"
             )
+            return None
+        within_slot_budget = [
+            slot for slot in failed_slots if slot in membership.slots and max_restarts_per_worker
+        ]
+        if within_slot_budget:
+            # A per-slot budget restarts a failed slot on its own count, with or without
+            # --max_restarts, until the slot is dropped.
+            change = Change(membership.slots)
+            counts = ", ".join(
+                f"{slot} {membership.failures[slot]}/{max_restarts_per_worker}"
+                for slot in within_slot_budget
+            )
+            messages.write(f"launch: restarting all workers (failed slot restarts: {counts})\n")
             return None
         if restarts == max_restarts:
             return status
