@@ -150,3 +150,29 @@ def test_memory_of_every_worker_is_gathered_on_the_chief_with_its_peak(worker_ru
         assert held["weights"] == pytest.approx(4 * params / 2, rel=0.02)
         assert held["optimizer"] == pytest.approx(8 * params / 2, rel=0.02)
         assert held["peak"] > held["weights"] + held["optimizer"]
+
+
+KERAS_HUB_RUN = (
+    "--model=zero_keras_hub_model:gpt2",
+    "--dataset=zero_keras_hub_model:data",
+    "--batch_size=16",
+    "--steps_per_epoch=3",
+    "--epochs=2",
+)
+
+
+def test_a_keras_hub_gpt2_with_tied_embedding_trains_under_zero3_as_on_one_device(tmp_path):
+    """The token embedding is read twice (lookup and output projection): its blocks are
+    gathered for each use and its gradients from both summed."""
+
+    def losses(name, *args):
+        model_dir = tmp_path / name
+        result = run_script(
+            "train.py", *KERAS_HUB_RUN, f"--model_dir={model_dir}", *args, env=USER_CODE_ENV
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        return _losses(read_metrics(str(model_dir)))
+
+    one = losses("one", "--strategy=one_device")
+    zero3 = losses("zero3", "--strategy=mirrored", "--virtual_devices=2", "--zero=3")
+    np.testing.assert_allclose(zero3, one, rtol=1e-5)
