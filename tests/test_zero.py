@@ -214,6 +214,24 @@ def test_bytes_sent_per_step_match_the_formula(stage):
     assert set(sent.values()) == {expected}
 
 
+def test_stage_three_gathers_each_layer_again_for_its_backward_one_layer_ahead():
+    """Per replica, each of the MLP's 2 layers gathers its kernel and bias for its forward
+    and again for its backward (8 joins); the second layer's forward gathers and the first
+    layer's backward gathers wait for an anchor (the previous layer's input, the later
+    layer's output gradient), so no gather runs more than one layer ahead."""
+    zero, _ = _train(_mlp, stage=3)
+    graph = zero.step_graph(tf.TensorSpec((10,)), tf.TensorSpec((), tf.int64))
+    for device in DEVICES:
+        joins = [
+            op
+            for op in graph.get_operations()
+            if op.type == "ConcatV2" and op.device.endswith(device[-5:])
+        ]
+        # Control inputs land on the first op made under them: here the join's axis.
+        waiting = [op for op in joins if any(i.op.control_inputs for i in op.inputs)]
+        assert (len(joins), len(waiting)) == (8, 4), device
+
+
 def test_layout_pads_rows_and_joins_back():
     layout = ShardLayout((10, 3), 4)
     value = np.arange(30.0).reshape(10, 3)
