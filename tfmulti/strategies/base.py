@@ -10,7 +10,13 @@ import numpy as np
 import tensorflow as tf
 
 from tfmulti.config import TrainConfig
-from tfmulti.platform.cluster import ClusterError, ClusterInfo, resolve_cluster
+from tfmulti.platform.cluster import (
+    ClusterError,
+    ClusterInfo,
+    resolve_cluster,
+    resolve_cluster_if_described,
+)
+from tfmulti.platform.connected_cluster import connect_to_workers
 from tfmulti.platform.optimizer_devices import place_optimizer_on_variable_devices
 from tfmulti.strategies.model_source import ModelSource
 
@@ -116,6 +122,24 @@ class DevicePlacingStrategy(TrainingStrategy):
         """Keeps optimizer state beside its variables and builds the model on one batch."""
         place_optimizer_on_variable_devices(model.optimizer)
         model(context.sample_x)
+
+
+class ChiefDrivenStrategy(TrainingStrategy):
+    """A way that, across workers, has the chief drive every worker's devices as its own
+    (`tfmulti.platform.connected_cluster`); the other workers serve it."""
+
+    chief_drives_workers = True
+
+    def resolve_cluster(self, config: TrainConfig) -> ClusterInfo | None:
+        return resolve_cluster_if_described(config.cluster.worker_hosts, config.cluster.task_index)
+
+    def make_strategy(
+        self, config: TrainConfig, cluster: ClusterInfo | None
+    ) -> tf.distribute.Strategy:
+        """Connects to the workers, if any; the run feeds its data to the chief alone."""
+        if cluster is not None:
+            connect_to_workers(cluster, config.cluster.connect_timeout, config.cluster.agreed_flags)
+        return tf.distribute.get_strategy()
 
 
 def check_batch_splits(batch_size: int, parts: int, what: str) -> None:

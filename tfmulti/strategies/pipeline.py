@@ -6,34 +6,26 @@ import os
 
 import keras
 import numpy as np
-import tensorflow as tf
 from absl import logging
 
 from tfmulti.config import TrainConfig
 from tfmulti.pipeline.actions import Schedule
 from tfmulti.pipeline.stages.split_summary import MEASURED_SECONDS_ATTRIBUTE, MeasuredStageSeconds
-from tfmulti.platform.cluster import ClusterInfo, resolve_cluster_if_described
-from tfmulti.platform.connected_cluster import connect_to_workers, devices_across_workers
+from tfmulti.platform.cluster import ClusterInfo
+from tfmulti.platform.connected_cluster import devices_across_workers
 from tfmulti.platform.devices import first_logical_devices
-from tfmulti.strategies.base import BuildContext, DevicePlacingStrategy, check_batch_splits
+from tfmulti.strategies.base import (
+    BuildContext,
+    ChiefDrivenStrategy,
+    DevicePlacingStrategy,
+    check_batch_splits,
+)
 from tfmulti.strategies.model_source import ModelSource
 
 
-class Pipeline(DevicePlacingStrategy):
+class Pipeline(ChiefDrivenStrategy, DevicePlacingStrategy):
     """`pipeline`: `--num_stages` stages, `--microbatches` per step, on `--schedule`; over
     several workers, the chief drives the stages on every worker's devices."""
-
-    chief_drives_workers = True
-
-    def resolve_cluster(self, config: TrainConfig) -> ClusterInfo | None:
-        return resolve_cluster_if_described(config.cluster.worker_hosts, config.cluster.task_index)
-
-    def make_strategy(
-        self, config: TrainConfig, cluster: ClusterInfo | None
-    ) -> tf.distribute.Strategy:
-        if cluster is not None:
-            connect_to_workers(cluster, config.cluster.connect_timeout, config.cluster.agreed_flags)
-        return tf.distribute.get_strategy()
 
     def build(self, source: ModelSource, config: TrainConfig, context: BuildContext) -> keras.Model:
         return build_staged_model(

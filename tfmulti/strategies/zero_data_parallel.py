@@ -15,33 +15,35 @@ import keras
 import tensorflow as tf
 
 from tfmulti.config import TrainConfig
-from tfmulti.platform.cluster import ClusterInfo, resolve_cluster_if_described
-from tfmulti.platform.connected_cluster import connect_to_workers, devices_across_workers
+from tfmulti.platform.cluster import ClusterInfo
+from tfmulti.platform.connected_cluster import devices_across_workers
 from tfmulti.platform.devices import accelerator_type, first_logical_devices, logical_device_names
-from tfmulti.strategies.base import BuildContext, TrainingStrategy, check_batch_splits
+from tfmulti.strategies.base import (
+    BuildContext,
+    ChiefDrivenStrategy,
+    TrainingStrategy,
+    check_batch_splits,
+)
 from tfmulti.strategies.model_source import ModelSource
 
 
-class ZeroDataParallelStrategy(TrainingStrategy):
+class ZeroDataParallelStrategy(ChiefDrivenStrategy):
     """`mirrored` or `multi_worker` with `--zero` > 0; across workers the chief drives."""
-
-    chief_drives_workers = True
 
     def __init__(self, across_workers: bool):
         self.across_workers = across_workers
 
     def resolve_cluster(self, config: TrainConfig) -> ClusterInfo | None:
         if not self.across_workers:
-            return super().resolve_cluster(config)
-        return resolve_cluster_if_described(config.cluster.worker_hosts, config.cluster.task_index)
+            return TrainingStrategy.resolve_cluster(self, config)
+        return super().resolve_cluster(config)
 
     def make_strategy(
         self, config: TrainConfig, cluster: ClusterInfo | None
     ) -> tf.distribute.Strategy:
-        if cluster is not None:
-            connect_to_workers(cluster, config.cluster.connect_timeout, config.cluster.agreed_flags)
+        strategy = super().make_strategy(config, cluster)
         self._devices = _data_devices(config, cluster)
-        return tf.distribute.get_strategy()
+        return strategy
 
     def data_replicas(self, config: TrainConfig, strategy: tf.distribute.Strategy) -> int:
         return len(self._devices)
