@@ -128,12 +128,8 @@ def test_top_layout_is_the_fastest_of_an_exhaustive_enumeration():
     assert outcomes[top.key[:5]][0] == pytest.approx(top.step_time, rel=1e-9)
 
 
-def test_top_layout_under_a_memory_cap_is_the_fastest_that_fits():
-    costs = _costs()
-    outcomes = _exhaustive_step_times(costs, 4, HARDWARE)
-    unconstrained = min(outcomes.values())
-    cap = 0.8 * unconstrained[1]
-    fitting = [time for time, memory in outcomes.values() if memory <= cap]
+def _fitting_layouts(costs, cap: float) -> list:
+    """The planner's layouts on 4 devices under a memory cap; asserts each fits it."""
     layouts = search_layouts(
         costs,
         4,
@@ -142,6 +138,16 @@ def test_top_layout_under_a_memory_cap_is_the_fastest_that_fits():
         max_microbatches=GLOBAL_BATCH,
     )
     assert layouts and all(layout.peak_memory <= cap for layout in layouts)
+    return layouts
+
+
+def test_top_layout_under_a_memory_cap_is_the_fastest_that_fits():
+    costs = _costs()
+    outcomes = _exhaustive_step_times(costs, 4, HARDWARE)
+    unconstrained = min(outcomes.values())
+    cap = 0.8 * unconstrained[1]
+    fitting = [time for time, memory in outcomes.values() if memory <= cap]
+    layouts = _fitting_layouts(costs, cap)
     assert layouts[0].step_time == pytest.approx(min(fitting), rel=1e-9)
     assert layouts[0].step_time > unconstrained[0]
 
@@ -152,14 +158,7 @@ def test_planner_proposes_zero_when_only_sharded_state_fits():
     data_parallel = next(x for x in plain if x.mesh == HybridMesh(data=4) and not x.zero)
     zero3 = next(x for x in plain if x.mesh == HybridMesh(data=4) and x.zero == 3)
     cap = (data_parallel.peak_memory + zero3.peak_memory) / 2
-    layouts = search_layouts(
-        costs,
-        4,
-        GLOBAL_BATCH,
-        Hardware(bandwidth=HARDWARE.bandwidth, memory_per_device=cap),
-        max_microbatches=GLOBAL_BATCH,
-    )
-    assert layouts and all(layout.peak_memory <= cap for layout in layouts)
+    layouts = _fitting_layouts(costs, cap)
     data_only = [layout for layout in layouts if layout.mesh == HybridMesh(data=4)]
     assert data_only and all(layout.zero > 0 for layout in data_only)
     assert "--zero=" in " ".join(train_flags(data_only[0], costs, GLOBAL_BATCH))
