@@ -50,11 +50,34 @@ def runs(tmp_path_factory):
         "--epochs=2",
         "--resume",
     )
-    return {"root": root, "one": one, "zero2": zero2, "resumed": resumed}
+    hybrid = _train(
+        root / "hybrid",
+        "--strategy=hybrid",
+        "--mesh=data=2,pipe=2",
+        "--virtual_devices=4",
+        "--microbatches=2",
+        "--partition=layers:odd_width",
+        "--zero=2",
+        "--epochs=2",
+    )
+    return {"root": root, "one": one, "zero2": zero2, "resumed": resumed, "hybrid": hybrid}
 
 
 def test_zero_from_the_script_trains_a_users_model_as_one_device(runs):
     np.testing.assert_allclose(_losses(runs["zero2"]), _losses(runs["one"]), rtol=1e-5)
+
+
+def test_hybrid_mesh_with_zero_shards_optimizer_state_over_its_data_axis(runs):
+    """data=2, pipe=2: each stage's variables are owned by one of its 2 data replicas, which
+    alone holds their Adam moments; the run still trains as one device."""
+    hybrid = runs["hybrid"]
+    np.testing.assert_allclose(_losses(hybrid), _losses(runs["one"]), rtol=1e-5)
+    optimizer = sorted(held["optimizer"] for held in hybrid["memory"].values())
+    # AdamW's two float32 moments of each variable, on its owner: stage 0 holds the
+    # embedding (37x5) alone, so one of its replicas owns nothing (only the step counter
+    # and learning rate, 12 bytes); stage 1's kernel (30x13) goes to one replica, the
+    # head's kernel (13x3) and both biases (13, 3) to the other.
+    assert optimizer == sorted([12, 8 * 37 * 5, 8 * (13 * 3 + 13 + 3), 8 * 30 * 13])
 
 
 def test_zero_run_resumed_on_fewer_devices_ends_as_an_unbroken_run(runs):
@@ -96,8 +119,21 @@ def test_saved_model_of_a_zero_run_is_plain_keras(runs):
 def test_zero_with_a_strategy_it_cannot_serve_is_one_line(tmp_path):
     result = run_script("train.py", "--strategy=pipeline", "--zero=2", f"--model_dir={tmp_path}")
     line = one_line_error(result, 2)
-    assert "--zero goes only with --strategy=mirrored or multi_worker" in line
+    assert "--zero goes only with --strategy=hybrid or mirrored or multi_worker" in line
     assert not os.listdir(tmp_path)
+
+
+def test_zero_three_under_hybrid_is_one_line(tmp_path):
+    result = run_script(
+        "train.py",
+        "--strategy=hybrid",
+        "--mesh=data=2,pipe=2",
+        "--virtual_devices=4",
+        "--zero=3",
+        f"--model_dir={tmp_path}",
+    )
+    line = one_line_error(result, 1)
+    assert "--zero under --strategy=hybrid shards optimizer state" in line and "--zero=3" in line
 
 
 def test_an_unknown_zero_stage_is_one_line(tmp_path):

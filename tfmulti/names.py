@@ -18,7 +18,7 @@ STRATEGY_FLAGS = {
     "multi_worker": ("zero",),
     "pipeline": ("jit_compile", "trace_steps", "rolled"),
     "model_parallel": ("jit_compile", "placement", "tensor_parallel"),
-    HYBRID_STRATEGY_NAME: ("jit_compile", "mesh", "cross_host_axis"),
+    HYBRID_STRATEGY_NAME: ("jit_compile", "mesh", "cross_host_axis", "zero"),
     KERAS_MODEL_PARALLEL_NAME: ("mesh", "layout_map"),
 }
 # Why a strategy refuses a flag, where the name alone does not say.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfmulti.collectives.worker_sums import WorkerCollectives
@@ -112,6 +113,7 @@ class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, 
         self._replicas_synced = False
         self._shared_schedule = SharedSchedule(self.replicas, loss_model=self)
         self._shared_forward = SharedForward(self.replicas)
+        self.zero_stage = 0
 
     def _use_xla(self, enabled: bool) -> None:
         """`compile(jit_compile=True)` compiles each copy's stages with XLA, each for its
@@ -121,9 +123,69 @@ class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, 
 
     @property
     def trainable_variables(self) -> list:
-        """Replica 0's trainable variables: what the optimizer updates and holds slots for
-        (the other copies take their values after each update)."""
-        return self.replicas[0].trainable_variables
+        """What the optimizer updates and holds slots for: replica 0's trainable variables,
+        or under `shard_optimizer_state` each variable's owner's copy (the other copies
+        take their values after each update)."""
+        variables = self.replicas[0].trainable_variables
+        if not self.zero_stage or not variables:
+            return variables
+        return [
+            self.replicas[owner].trainable_variables[index]
+            for index, owner in enumerate(self._owners(variables))
+        ]
+
+    def shard_optimizer_state(self, stage: int) -> None:
+        """ZeRO over the data axis: each variable's optimizer state and update live with one
+        data replica, its owner, instead of all on replica 0's devices.
+
+        Owners are dealt out by size, largest first, each to the replica owning the fewest
+        bytes so far (as PyTorch's `ZeroRedundancyOptimizer` partitions parameters); a
+        variable's gradient is summed on its owner's device, and its new value copied to
+        the other replicas. Stages 1 and 2 run alike here (each gradient is summed on its
+        owner as soon as every replica has it); stage 3 is refused: a pipeline's stages
+        read whole weights.
+
+        Raises:
+            ValueError: in one line, for stage 3 or a data axis across workers.
+        """
+        if stage not in (1, 2):
+            raise ValueError(
+                "--zero under --strategy=hybrid shards optimizer state and gradients over the "
+                f"data axis (stages 1-2); its stages keep whole weights. Received: --zero={stage}"
+            )
+        if self.worker_collectives is not None:
+            raise ValueError(
+                "--zero under --strategy=hybrid needs the data replicas in the chief's "
+                "program; use --cross_host_axis=pipe (or one host). Received: "
+                "--cross_host_axis=data"
+            )
+        self.zero_stage = stage
+
+    def _owners(self, variables: list) -> list[int]:
+        """The data replica owning each of replica 0's `variables`, balanced by size."""
+        loads = [0] * len(self.replicas)
+        owners = [0] * len(variables)
+        by_size = sorted(
+            range(len(variables)), key=lambda k: -int(np.prod(variables[k].shape or (1,)))
+        )
+        for index in by_size:
+            owner = loads.index(min(loads))
+            owners[index] = owner
+            loads[owner] += int(np.prod(variables[index].shape or (1,)))
+        return owners
+
+    def compile(self, *args, **kwargs):
+        super().compile(*args, **kwargs)
+        if self.zero_stage and self.optimizer is not None:
+            finalize = self.optimizer.finalize_variable_values
+
+            def finalize_owned(var_list):
+                # `fit` ends by finalizing replica 0's weights; an EMA optimizer's averages
+                # belong to each variable's owner.
+                finalize(self.trainable_variables)
+                self.after_update()
+
+            object.__setattr__(self.optimizer, "finalize_variable_values", finalize_owned)
 
     def to_model(self) -> keras.Model:
         """Replica 0 as a plain single-device Keras model sharing its weights (every copy
@@ -185,9 +247,7 @@ class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, 
         return ScheduledStep(
             loss=self._summed_loss(results),
             rows=totals.rows,
-            gradients_and_variables=list(
-                zip(gradients, self.replicas[0].trainable_variables, strict=True)
-            ),
+            gradients_and_variables=list(zip(gradients, self.trainable_variables, strict=True)),
             predictions=concat_microbatches([concat_microbatches(r.outputs) for r in results]),
         )
 
@@ -240,7 +300,7 @@ class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, 
                 id(v): g for v, g in zip(result.variables, result.gradients, strict=True)
             }
             per_replica.append([by_variable[id(v)] for v in replica.trainable_variables])
-        devices = [variable_device(v) for v in self.replicas[0].trainable_variables]
+        devices = [variable_device(v) for v in self.trainable_variables]
         summed = []
         for device, replica_gradients in zip(devices, zip(*per_replica, strict=True), strict=True):
             with tf.device(device):
@@ -259,14 +319,16 @@ class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, 
         )
 
     def after_update(self) -> None:
-        """Copies replica 0's updated trainable variables into the other copies, then
+        """Copies the updated trainable variables (replica 0's, or each one's owner's) into
+        the other copies, then
         replaces each float non-trainable variable (e.g. BatchNorm's moving statistics),
         which each replica updated from its own rows, by its mean over all data replicas,
         so the copies stay identical."""
-        updated = self.replicas[0].trainable_variables
-        for replica in self.replicas[1:]:
+        updated = self.trainable_variables
+        for replica in self.replicas:
             for variable, reference in zip(replica.trainable_variables, updated, strict=True):
-                variable.assign(reference)
+                if variable is not reference:
+                    variable.assign(reference)
         state = [
             [v for v in replica.non_trainable_variables if keras.backend.is_float_dtype(v.dtype)]
             for replica in self.replicas

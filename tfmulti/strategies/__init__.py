@@ -55,12 +55,12 @@ def get_training_strategy(name: str, zero: int = 0) -> TrainingStrategy:
         raise ValueError(
             f"Unknown strategy; use one of {list(TRAINING_STRATEGIES)}. Received: {name!r}"
         )
-    if zero:
+    if zero and name != "hybrid":  # a hybrid mesh shards its data axis's state itself
         if name not in ZERO_STRATEGIES:
             raise ValueError(
                 f"--zero shards the state of data parallelism: use it with --strategy="
-                f"{' or '.join(ZERO_STRATEGIES)}, or drop it. Received: --strategy={name} "
-                f"--zero={zero}"
+                f"{' or '.join([*ZERO_STRATEGIES, 'hybrid'])}, or drop it. Received: "
+                f"--strategy={name} --zero={zero}"
             )
         return ZERO_STRATEGIES[name]
     return TRAINING_STRATEGIES[name]

@@ -93,7 +93,15 @@ class Hybrid(TrainingStrategy):
 
     def build(self, source: ModelSource, config: TrainConfig, context: BuildContext) -> keras.Model:
         """A `HybridPipelineModel` over fresh copies of the model's blocks, or of the
-        user's whole model."""
+        user's whole model; with `--zero`, its optimizer state sharded over the data axis."""
+        model = self._build_replicas(source, config, context)
+        if config.distribution.zero:
+            model.shard_optimizer_state(config.distribution.zero)
+        return model
+
+    def _build_replicas(
+        self, source: ModelSource, config: TrainConfig, context: BuildContext
+    ) -> keras.Model:
         from tfmulti.hybrid import build_hybrid_model, build_hybrid_model_from_model
 
         mesh = self.mesh(config)
