@@ -23,6 +23,7 @@ from script_runner import (
 
 from tfmulti.hybrid import HybridPipelineModel
 from tfmulti.pipeline.runtime import PipelineModel, pipeline_model
+from tfmulti.pipeline.stages import python_calls
 from tfmulti.platform.devices import logical_device_names, on_another_worker
 from tfmulti.platform.variable_moves import same_device
 
@@ -63,6 +64,30 @@ def test_a_device_with_another_task_is_another_workers():
 def test_the_same_device_index_on_another_worker_is_another_device():
     assert same_device("/device:CPU:0", "/job:localhost/replica:0/task:0/device:CPU:0")
     assert not same_device("/job:worker/task:0/device:CPU:0", "/job:worker/task:1/device:CPU:0")
+
+
+class PythonDoubling(keras.layers.Layer):
+    """Doubles its input in Python, through tf.py_function."""
+
+    def call(self, inputs):
+        doubled = tf.py_function(lambda values: values * 2.0, [inputs], tf.float32)
+        return tf.ensure_shape(doubled, inputs.shape)
+
+
+def test_a_layer_that_calls_python_on_another_worker_is_one_line(monkeypatch):
+    monkeypatch.setattr(python_calls, "on_another_worker", lambda device: device.endswith(":1"))
+    devices = logical_device_names("CPU")[:2]
+    pipe = PipelineModel([_first_stage(), PythonDoubling(name="doubling")], devices)
+    x = tf.ones((4, 3))
+    pipe.build_stages(x)
+    with pytest.raises(ValueError) as error:
+        python_calls.refuse_python_calls_on_other_workers(pipe.stages, devices, x)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("Layer 'doubling' calls Python (EagerPyFunc, from tf.py_function")
+    assert "write the layer with TensorFlow ops" in message
+    # On the chief's own devices the same stages pass.
+    python_calls.refuse_python_calls_on_other_workers(pipe.stages[::-1], devices, x)
 
 
 @pytest.fixture
