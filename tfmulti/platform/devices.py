@@ -113,6 +113,25 @@ def variable_device(variable) -> str:
     return storage.device if storage is not None else variable.device
 
 
+def on_another_worker(device: str) -> bool:
+    """Whether `device` is another worker's, lent to this process (the chief of a connected
+    cluster, `tfmulti.platform.connected_cluster`), rather than one of this process's own.
+
+    TensorFlow lists this process's own devices first, then the other workers'.
+
+    Example:
+        >>> on_another_worker("/job:worker/replica:0/task:1/device:CPU:0")  # on the chief
+        True
+        >>> on_another_worker("/device:CPU:1")
+        False
+    """
+    spec = tf.DeviceSpec.from_string(device)
+    if spec.job is None:
+        return False
+    own = tf.DeviceSpec.from_string(tf.config.list_logical_devices()[0].name)
+    return (spec.job, spec.task or 0) != (own.job, own.task or 0)
+
+
 def device_key(device: str) -> tuple[str, int]:
     """(device type, index) of any spelling of a device name, e.g. ("CPU", 1) for
     "/job:worker/task:0/device:cpu:1"; job, replica and task are ignored."""

@@ -14,7 +14,19 @@ from tfmulti.platform.devices import device_key, variable_device
 
 
 def same_device(first: str, second: str) -> bool:
-    """Whether two device names name the same device type and index."""
+    """Whether two device names name the same device: the same type and index, on the same
+    worker (job and task) where both names say which.
+
+    Example:
+        >>> same_device("/device:CPU:0", "/job:localhost/replica:0/task:0/device:CPU:0")
+        True
+        >>> same_device("/job:worker/task:0/device:CPU:0", "/job:worker/task:1/device:CPU:0")
+        False
+    """
+    specs = [tf.DeviceSpec.from_string(name) for name in (first, second)]
+    if all(spec.job is not None for spec in specs):
+        if len({(spec.job, spec.task or 0) for spec in specs}) > 1:
+            return False
     return device_key(first) == device_key(second)
 
 

@@ -20,6 +20,7 @@ from tfmulti.strategies.pipeline import (
     configured_schedule,
     model_partition,
     partition_cost_cache,
+    refuse_python_calls,
     split_blocks,
 )
 
@@ -152,7 +153,10 @@ class Hybrid(TrainingStrategy):
         )
 
     def prepare(self, model: keras.Model, context: BuildContext) -> None:
-        """Builds every replica on one batch."""
+        """Refuses, in one line, a stage on another worker that calls Python (each
+        replica's stage s shares replica 0's worker); then builds every replica on one
+        batch."""
+        refuse_python_calls(model.replicas[0], context.sample_x)
         model(context.sample_x)
 
     def worker_rows(self, train: tf.data.Dataset, cluster: ClusterInfo) -> tf.data.Dataset:

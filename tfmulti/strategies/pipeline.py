@@ -32,6 +32,21 @@ class Pipeline(ChiefDrivenStrategy, DevicePlacingStrategy):
             source, config, context.sample_x, pipelined=True, cluster=context.cluster
         )
 
+    def prepare(self, model: keras.Model, context: BuildContext) -> None:
+        """Refuses, in one line, a stage on another worker that calls Python; then builds
+        the model on one batch."""
+        refuse_python_calls(model, context.sample_x)
+        super().prepare(model, context)
+
+
+def refuse_python_calls(pipeline: keras.Model, sample_x: np.ndarray) -> None:
+    """Builds a `PipelineModel`'s stages for `sample_x` and refuses a stage on another
+    worker's device that calls Python (`refuse_python_calls_on_other_workers`)."""
+    from tfmulti.pipeline.stages.python_calls import refuse_python_calls_on_other_workers
+
+    pipeline.build_stages(sample_x)
+    refuse_python_calls_on_other_workers(pipeline.stages, pipeline.stage_devices, sample_x)
+
 
 def model_partition(partition: str) -> str | list[str]:
     """`--partition` for a whole model: a policy, or "layers:A,B" (layers where stages 1.. begin).

@@ -44,6 +44,7 @@ from tfmulti.pipeline.stages.stage_devices import (
     move_built_stages,
     resolve_devices,
 )
+from tfmulti.platform.devices import on_another_worker
 from tfmulti.wrapped_model import WrappedModel
 
 
@@ -122,6 +123,7 @@ class PipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, keras.
         self._trace_actions = [a for actions in self.schedule.device_actions for a in actions]
         self._tracing = False
         self._train_functions = {}
+        self._traced_calls = {}  # training flag -> `call` as a tf.function
         # A plain holder: Keras would track a variable attribute as model state.
         self._stamp_holder = types.SimpleNamespace(buffer=None)
         # The model `from_model` cut (None for a stage list), the input spec seen first and
@@ -156,6 +158,11 @@ class PipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, keras.
 
     def call(self, inputs, training=None):
         self.build_stages(inputs)
+        if tf.executing_eagerly() and self._on_other_workers():
+            # TensorFlow cannot run an XLA-compiled function (Keras' grouped convolutions
+            # on CPU, any jit_compile layer) eagerly on another worker's device; a traced
+            # function placed there runs it, as the training step does.
+            return self._traced_call(training)(inputs)
 
         def through_stages(part):
             for functions, device in zip(
@@ -167,6 +174,18 @@ class PipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, keras.
 
         sizes = microbatch_sizes(inputs, self.num_microbatches)
         return forward_microbatches(inputs, sizes, through_stages)
+
+    def _on_other_workers(self) -> bool:
+        """Whether a stage runs on another worker's device (this process drives them)."""
+        return any(on_another_worker(device) for device in self.stage_devices)
+
+    def _traced_call(self, training) -> tf.types.experimental.PolymorphicFunction:
+        """`call` for one `training` flag, as a tf.function."""
+        if training not in self._traced_calls:
+            self._traced_calls[training] = tf.function(
+                lambda inputs: self.call(inputs, training=training), autograph=False
+            )
+        return self._traced_calls[training]
 
     def run_scheduled_step(self, x, y, sample_weight) -> ScheduledStep:
         result = self.run_schedule(x, y, sample_weight)
