@@ -16,11 +16,12 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
+from tfmulti.flags.parsing import run_script  # noqa: E402
 from tfmulti.planner.hardware_files import hardware_presets, load_hardware  # noqa: E402
 from tfmulti.planner.published_runs import MEGATRON_TABLE_1, compare_published  # noqa: E402
 
@@ -83,4 +84,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run_script(main, (ValueError,))

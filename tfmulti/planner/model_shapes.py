@@ -157,7 +157,7 @@ def megatron_flops(
 
     Example:
         >>> f"{megatron_flops(512, 2048, 24, 2304, 51200):.4e}"
-        '2.1237e+18'
+        '1.5467e+16'
     """
     per_layer = (
         (96 if recompute else 72) * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden))
