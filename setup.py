@@ -8,6 +8,7 @@ setup(
     description="Data, model, pipeline and tensor parallelism for Keras 3 on TensorFlow.",
     python_requires=">=3.10",
     packages=find_packages(include=["tfmulti", "tfmulti.*"]) + ["tfmulti.models"],
+    package_data={"tfmulti.planner": ["hardware/*.json"]},
     # The reference models live in models/ but install as tfmulti.models, so a user's own
     # module named `models` is never shadowed.
     package_dir={"tfmulti.models": "models"},

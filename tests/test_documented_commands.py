@@ -9,7 +9,8 @@ Commands come from fenced ```bash blocks, and from untagged blocks that hold onl
   file name, so everything lands in the fresh directory;
 - sizes shrink: every flag of SHRINK_TRAIN (train.py, also under launch.py) or of the
   script's `SMALLEST` in test_every_script_runs.py replaces the documented value, or is
-  added; `--validate` trains one layout;
+  added; `--validate` trains one layout; plan.py with `--hardware` measures nothing and
+  runs as documented (its cluster plan takes seconds);
 - `my_project.models:small_cnn` and `my_project.data:load` are a small module written into
   the directory, as the documents describe it.
 Then each run must exit 0 without a traceback and leave what it promises: a completed
@@ -78,6 +79,8 @@ RUN_BY_SCRIPT_TESTS = {
     ".venv/bin/python scripts/benchmark_parallel.py --sections=keras_llama "
     "--llama_ways=1,2,4,2x4": "benchmark_parallel",
     ".venv/bin/python scripts/benchmark_parallel.py --sections=mesh3d": "benchmark_parallel",
+    "python scripts/benchmark_cluster_planner.py --out=docs/benchmarks/cluster_planner.json "
+    "--plot=docs/benchmarks/cluster_planner.png": "benchmark_cluster_planner",
     ".venv/bin/python scripts/benchmark_zero.py --workers=2,4 --out=docs/benchmarks/zero.json "
     "--plot=docs/benchmarks/zero.png": "benchmark_zero",
     ".venv/bin/python scripts/benchmark_parallel.py --sections=mesh3d "
@@ -166,7 +169,9 @@ def _shrink_arguments(script: str, arguments: list[str]) -> list[str]:
         steps = [int(a.split(",")[-1]) for a in shrunk if a.startswith(("--profile_", "--trace_"))]
         epochs, _, validation = SHRINK_TRAIN
         shrunk = _replace(shrunk, [epochs, f"--steps_per_epoch={max([2, *steps])}", validation])
-    elif script in SMALLEST:
+    elif script in SMALLEST and not (
+        script == "plan.py" and any(a.startswith("--hardware=") for a in shrunk)
+    ):
         shrunk = _replace(shrunk, list(SMALLEST[script]))
     return shrunk
 

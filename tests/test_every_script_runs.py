@@ -30,6 +30,7 @@ MAIN_PATH_TESTS = {
     "benchmark_across_hosts.py": "test_every_script_runs.py",
     "benchmark_cpu_allocator.py": "test_every_script_runs.py",
     "benchmark_zero.py": "test_every_script_runs.py",
+    "benchmark_cluster_planner.py": "test_every_script_runs.py",
 }
 
 # The smallest run of each benchmark; test_documented_commands.py shrinks the documented
@@ -112,6 +113,8 @@ SMALLEST = {
         "--steps=2",
         "--epochs=2",
     ),
+    # The smallest and the fitted row of Megatron-LM's Table 1 (no TensorFlow, seconds).
+    "benchmark_cluster_planner.py": ("--rows=1,7",),
     # Its smallest measuring (one Transformer block, narrow) and --validate runs.
     "plan.py": (
         "--model_option=num_layers=1",
@@ -151,6 +154,10 @@ RUNS = {
         *SMALLEST["benchmark_cpu_allocator.py"],
     ),
     "benchmark_zero": ("benchmark_zero.py", *SMALLEST["benchmark_zero.py"]),
+    "benchmark_cluster_planner": (
+        "benchmark_cluster_planner.py",
+        *SMALLEST["benchmark_cluster_planner.py"],
+    ),
 }
 
 
@@ -372,3 +379,22 @@ def test_benchmark_zero_measures_every_workers_bytes_against_the_formulas(tmp_pa
     # Stage 3 holds half of stage 0's weights and optimizer state on each of 2 devices.
     held = {s: r["weights_bytes_max"] + r["optimizer_bytes_max"] for s, r in runs.items()}
     assert held[3] == pytest.approx(held[0] / 2, rel=0.02)
+
+
+def test_benchmark_cluster_planner_holds_published_rows_against_predictions(tmp_path):
+    out, plot = tmp_path / "cluster.json", tmp_path / "cluster.png"
+    stdout = _ran(run_script(*RUNS["benchmark_cluster_planner"], f"--out={out}", f"--plot={plot}"))
+
+    result = json.loads(stdout)
+    assert json.loads(out.read_text()) == result
+    assert_valid_png(plot)
+    assert [row["billions"] for row in result["rows"]] == [1.7, 145.6]
+    for row in result["rows"]:
+        assert row["published_layout_fits"] and row["published_among_best"]
+        assert abs(row["error"]) <= 0.10
+        assert _finite_positive(
+            row["predicted_tflops_per_gpu"], row["published_layout_memory_per_gpu"]
+        )
+    # The fitted row matches by construction.
+    assert result["rows"][1]["predicted_tflops_per_gpu"] == pytest.approx(148, abs=0.5)
+    assert result["mape"] == pytest.approx(sum(abs(row["error"]) for row in result["rows"]) / 2)

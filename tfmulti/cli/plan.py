@@ -11,6 +11,8 @@ Examples:
   tfmulti-plan --devices=4 --memory_per_device=2MiB --save_costs=/tmp/costs.json
   tfmulti-plan --costs=/tmp/costs.json --devices=8 --json
   tfmulti-plan --devices=2 --allow_fewer_devices --validate=4   # run them, compare
+  tfmulti-plan --hardware=a100_80gb --devices=1024 --global_batch=1536 \
+    --model_shape=gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200   # no measuring
 
 Cost model (see docs/planner.md): block times are affine in the micro-batch size; the
 framework's own per-step costs (a step's fixed cost, each replica's dispatch, the pipeline
@@ -22,6 +24,10 @@ pass; memory is parameter state (--bytes_per_param per parameter) plus the block
 kept for the backward. Each predicted time carries the ± its measurements' spread gives.
 Over --hosts hosts, one mesh axis (data or pipe) crosses them and each layout is scored
 for each axis that can; what crosses pays --inter_host_gbps and --inter_host_latency_us.
+
+With --hardware and --model_shape (docs/planner_cluster.md), nothing is measured: block
+costs come from the shape's FLOPs and bytes on the hardware file's peak, memory and links,
+scored by the same simulation, for clusters of thousands of devices.
 """
 
 import dataclasses
@@ -33,10 +39,12 @@ import tempfile
 
 from absl import flags
 
+from tfmulti.cli.plan_cluster import ClusterPlanConfig, plan_cluster
 from tfmulti.flags.console_flags import define_console_flags
 from tfmulti.flags.parsing import run_script
 from tfmulti.flags.training_flags import define_data_flags, parse_model_option
 from tfmulti.planner import Hardware, load_costs, save_costs, search_layouts
+from tfmulti.planner.hardware_files import hardware_presets
 from tfmulti.planner.overlap_anchor import anchored_overlap
 from tfmulti.planner.report import (
     format_layouts,
@@ -217,6 +225,51 @@ flags.register_multi_flags_validator(
     lambda values: not values["launch_option"] or values["hosts"] > 1,
     "--launch_option starts the workers of a layout over several hosts; give --hosts and "
     "--devices_per_host too, or drop it",
+)
+flags.DEFINE_string(
+    "hardware",
+    None,
+    "Plan for a cluster instead of measuring this machine: a preset "
+    f"({', '.join(hardware_presets())}) or a hardware JSON file (tfmulti.planner."
+    "hardware_files); needs --model_shape.",
+)
+flags.DEFINE_string(
+    "model_shape",
+    None,
+    "With --hardware, the model: gpt:layers=L,hidden=H,heads=A,seq=S,vocab=V[,microbatch=b] "
+    "or layers:FILE.json (tfmulti.planner.model_shapes).",
+)
+flags.DEFINE_string(
+    "layout",
+    None,
+    "With --hardware, score only this mesh, e.g. data=24,pipe=8,tensor=8.",
+)
+flags.DEFINE_enum(
+    "recompute",
+    "full",
+    ["full", "none", "search"],
+    "With --hardware: full activation recomputation (Megatron-LM's), none, or search both.",
+)
+flags.register_multi_flags_validator(
+    ["hardware", "model_shape"],
+    lambda values: (values["hardware"] is None) == (values["model_shape"] is None),
+    "--hardware and --model_shape plan a cluster together: give both, or neither to measure "
+    "a model on this machine",
+)
+flags.register_validator(
+    "hardware",
+    lambda value: value is None or value.endswith(".json") or value in hardware_presets(),
+    message=f"--hardware must be one of {hardware_presets()} or a path to a .json hardware file",
+)
+flags.register_multi_flags_validator(
+    ["layout", "hardware"],
+    lambda values: values["layout"] is None or values["hardware"] is not None,
+    "--layout restricts a cluster plan: give --hardware and --model_shape too",
+)
+flags.register_multi_flags_validator(
+    ["hardware", "hosts"],
+    lambda values: values["hardware"] is None or values["hosts"] == 1,
+    "--hardware lays --devices over the nodes its file describes; drop --hosts",
 )
 # What the planner itself gives the launcher for each layout.
 _PLANNED_LAUNCH_FLAGS = ("--num_workers", "--devices_per_worker")
@@ -436,6 +489,21 @@ def _measured_costs():
 
 def _plan(argv: list[str]) -> None:
     del argv
+    if FLAGS.hardware:
+        plan_cluster(
+            ClusterPlanConfig(
+                hardware=FLAGS.hardware,
+                model_shape=FLAGS.model_shape,
+                devices=_total_devices(),
+                global_batch=FLAGS.global_batch,
+                layout=FLAGS.layout,
+                recompute=FLAGS.recompute,
+                max_chunks=FLAGS.max_chunks,
+                top=FLAGS.top,
+                json=FLAGS.json,
+            )
+        )
+        return
     machine, costs = _measured_costs()
     hardware = Hardware(
         bandwidth=FLAGS.bandwidth,

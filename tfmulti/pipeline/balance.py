@@ -48,6 +48,10 @@ class Block:
         input_grad_time: time of the input-gradient part of a split backward (I), as
             measured; None when not measured.
         weight_grad_time: time of its weight-gradient part (W); None when not measured.
+        output_bytes: bytes it hands the next stage per micro-batch when a stage ends with
+            it; None: its `activation_bytes`.
+        transient_bytes: bytes it needs only while it runs (with activation
+            recomputation, its whole activations during its backward).
     """
 
     forward_time: float = 1.0
@@ -60,10 +64,14 @@ class Block:
     communication_time: float = 0.0
     input_grad_time: float | None = None
     weight_grad_time: float | None = None
+    output_bytes: float | None = None
+    transient_bytes: float = 0.0
 
     def __post_init__(self):
         if self.param_bytes is None:
             object.__setattr__(self, "param_bytes", 4.0 * self.params)
+        if self.output_bytes is None:
+            object.__setattr__(self, "output_bytes", self.activation_bytes)
 
 
 def stage_cost(blocks: Sequence[Block], hands_gradients_back: bool = True) -> StageCost:

@@ -264,6 +264,17 @@ class Hardware:
             10 Gbit/s Ethernet); transfers and all-reduces that cross hosts use it.
         inter_host_latency: seconds each message between hosts waits beyond its bytes
             (default 100 us: TensorFlow's gRPC runtime over a LAN).
+        devices_per_node: on a cluster described by a hardware file
+            (`tfmulti.planner.hardware_files`), the devices of one node, laid out in
+            Megatron-LM's rank order: tensor fastest, then data, then pipe. A pipeline send
+            or a data-parallel all-reduce whose group spans nodes pays the inter-host link
+            (`inter_host_bandwidth` per device, `inter_host_latency` per message), one
+            inside a node `bandwidth` and `intra_node_latency`. None: the hosts of
+            `score_layout`'s `hosts` and `cross_host_axis` instead.
+        intra_node_latency: with `devices_per_node`, seconds each message inside a node
+            waits beyond its bytes.
+        gradient_bytes_per_param: bytes of a parameter's gradient as data parallelism sums
+            it, and of its working weight (4: float32; 2: mixed precision).
     """
 
     bandwidth: float = 10e9
@@ -273,6 +284,9 @@ class Hardware:
     machine: MachineCosts | None = None
     inter_host_bandwidth: float = 1.25e9
     inter_host_latency: float = 1e-4
+    devices_per_node: int | None = None
+    intra_node_latency: float = 0.0
+    gradient_bytes_per_param: float = GRADIENT_BYTES_PER_PARAM
 
     def __post_init__(self):
         if self.bandwidth <= 0 or self.inter_host_bandwidth <= 0:

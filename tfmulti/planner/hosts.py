@@ -98,6 +98,10 @@ def gradient_allreduce_seconds(
     replicas; with the data axis across, a data-only mesh's one ring over every replica
     (MultiWorkerMirroredStrategy), else a sum over each host's replicas then over hosts.
     """
+    if hardware.devices_per_node is not None:
+        return _node_ring_seconds(
+            num_bytes, mesh.data, mesh.tensor * mesh.data > hardware.devices_per_node, hardware
+        )
     if cross_host_axis != "data":
         return allreduce_seconds(num_bytes, mesh.data, hardware)
     if mesh.pipe == 1 and mesh.tensor == 1:
@@ -105,6 +109,36 @@ def gradient_allreduce_seconds(
     return allreduce_seconds(num_bytes, mesh.data // hosts, hardware) + inter_host_ring_seconds(
         num_bytes, hosts, hardware
     )
+
+
+def pipe_transfer_seconds(num_bytes: float, mesh: HybridMesh, hardware: Hardware) -> float:
+    """One send of `num_bytes` between consecutive pipeline devices on one host, or, on a
+    cluster of nodes (`Hardware.devices_per_node`), over the link between them: between
+    nodes once a replica's tensor x data devices fill a node.
+
+    Example:
+        >>> node = Hardware(bandwidth=1e9, inter_host_bandwidth=1e8, devices_per_node=8)
+        >>> pipe_transfer_seconds(1e6, HybridMesh(data=1, pipe=2, tensor=8), node)
+        0.0101
+    """
+    if hardware.devices_per_node is None:
+        return num_bytes / hardware.bandwidth
+    if mesh.tensor * mesh.data * mesh.pipe > hardware.devices_per_node:
+        return hardware.inter_host_latency + num_bytes / hardware.inter_host_bandwidth
+    return hardware.intra_node_latency + num_bytes / hardware.bandwidth
+
+
+def _node_ring_seconds(
+    num_bytes: float, group_size: int, across_nodes: bool, hardware: Hardware
+) -> float:
+    """A ring all-reduce over `group_size` devices of a cluster: 2(n-1) messages, each
+    of the link's latency, moving 2(n-1)/n x bytes at the slowest link's bandwidth."""
+    if group_size <= 1:
+        return 0.0
+    steps = 2 * (group_size - 1)
+    bandwidth = hardware.inter_host_bandwidth if across_nodes else hardware.bandwidth
+    latency = hardware.inter_host_latency if across_nodes else hardware.intra_node_latency
+    return steps * latency + steps / group_size * num_bytes / bandwidth
 
 
 def pipe_device_hosts(pipe: int, hosts: int, cross_host_axis: str | None) -> tuple[int, ...]:

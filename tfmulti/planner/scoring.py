@@ -29,14 +29,15 @@ from tfmulti.pipeline.actions import Schedule
 from tfmulti.pipeline.balance import Block, stage_cost
 from tfmulti.pipeline.overlapped_pairs import pair_times
 from tfmulti.pipeline.round_loop import loop_schedule
-from tfmulti.pipeline.schedules import build_schedule
-from tfmulti.pipeline.simulate import CostModel, simulate
-from tfmulti.planner.costs import GRADIENT_BYTES_PER_PARAM, Hardware
+from tfmulti.pipeline.schedules import CHUNKED_SCHEDULES, build_schedule
+from tfmulti.pipeline.simulate import CostModel, SimulationResult, simulate
+from tfmulti.planner.costs import Hardware
 from tfmulti.planner.hosts import (
     check_cross_host_axis,
     gradient_allreduce_seconds,
     makespan_across_hosts,
     pipe_device_hosts,
+    pipe_transfer_seconds,
 )
 from tfmulti.planner.train_strategy import EXECUTOR_STRATEGIES, train_strategy
 from tfmulti.platform.mesh import HybridMesh
@@ -44,6 +45,11 @@ from tfmulti.zero.formulas import zero_state_bytes
 
 # The schedule a one-device "pipeline" runs: one forward, one backward.
 NO_PIPELINE = "gpipe"
+# Beyond this many micro-batches (a cluster's thousands of examples per replica), a
+# schedule is simulated at two smaller counts and its step extrapolated along the line
+# through them: past the warm-up, each further micro-batch adds the same time, live bytes
+# and busy time (`_extrapolated_simulation`).
+EXTRAPOLATE_ABOVE_MICROBATCHES = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,8 +167,12 @@ def score_layout(
             f"A layout with pipe={mesh.pipe} and chunks={chunks} needs {num_stages - 1} split "
             f"points. Received: boundaries={tuple(boundaries)}"
         )
+    extrapolated = _extrapolates(mesh.pipe, num_microbatches, hardware, cross_host_axis)
     plan = build_schedule(
-        schedule or NO_PIPELINE, mesh.pipe, num_microbatches, chunks if chunks > 1 else None
+        schedule or NO_PIPELINE,
+        mesh.pipe,
+        extrapolated[0] if extrapolated else num_microbatches,
+        chunks if chunks > 1 else None,
     )
     edges = (0, *boundaries, len(blocks))
     stage_blocks = [blocks[start:end] for start, end in zip(edges[:-1], edges[1:], strict=True)]
@@ -175,11 +185,11 @@ def score_layout(
         stage_cost(stage, hands_gradients_back=index > 0)
         for index, stage in enumerate(stage_blocks)
     )
-    sent_bytes = max((stage[-1].activation_bytes for stage in stage_blocks[:-1]), default=0.0)
+    sent_bytes = max((stage[-1].output_bytes for stage in stage_blocks[:-1]), default=0.0)
     pair_fraction = hardware.machine.pair_fraction if hardware.machine else 1.0
     cost_model = CostModel(
         stage_costs,
-        sent_bytes / hardware.bandwidth,
+        pipe_transfer_seconds(sent_bytes, mesh, hardware),
         # An overlapped pair (DualPipeV) takes the measured share of its two halves' time.
         pair_times=pair_times(
             plan,
@@ -189,7 +199,10 @@ def score_layout(
             ),
         ),
     )
-    result = simulate(plan, cost_model)
+    if extrapolated:
+        result = _extrapolated_simulation(plan, cost_model, num_microbatches, extrapolated)
+    else:
+        result = simulate(plan, cost_model)
     pipeline_time, bubble_fraction = result.makespan, result.bubble_fraction
     if cross_host_axis == "pipe":
         pipeline_time = makespan_across_hosts(
@@ -204,7 +217,11 @@ def score_layout(
     for stage, device in zip(stage_blocks, plan.stage_devices, strict=True):
         device_params[device] += sum(block.params for block in stage)
     allreduce_time = gradient_allreduce_seconds(
-        max(device_params) * GRADIENT_BYTES_PER_PARAM, mesh, hosts, cross_host_axis, hardware
+        max(device_params) * hardware.gradient_bytes_per_param,
+        mesh,
+        hosts,
+        cross_host_axis,
+        hardware,
     )
     device_memory = [0.0] * mesh.pipe
     for stage, device in zip(stage_blocks, plan.stage_devices, strict=True):
@@ -215,8 +232,16 @@ def score_layout(
             # A third pass of weights (2 -> 3), and each forward again in the backward.
             allreduce_time *= 1.5
             pipeline_time += num_microbatches * stage_costs[0].forward
+    device_transient = [0.0] * mesh.pipe
+    for stage, device in zip(stage_blocks, plan.stage_devices, strict=True):
+        device_transient[device] = max(
+            device_transient[device], *(block.transient_bytes for block in stage)
+        )
     peak_memory = max(
-        held + live for held, live in zip(device_memory, result.peak_activation_bytes, strict=True)
+        held + live + transient
+        for held, live, transient in zip(
+            device_memory, result.peak_activation_bytes, device_transient, strict=True
+        )
     )
     # Each host's devices share that host's processor only. A tensor group's all-reduces
     # wait rather than compute: they take no share of the processor, but each device
@@ -270,16 +295,13 @@ def zero_held_bytes(
     blocks: Sequence[Block], num_devices: int, stage: int, hardware: Hardware
 ) -> float:
     """Bytes of weights, gradients and optimizer state a device holds under ZeRO `stage`:
-    float32 weights and gradients, the rest of `hardware.bytes_per_param` optimizer state."""
+    weights and gradients of `hardware.gradient_bytes_per_param` each (float32 unless
+    mixed precision), the rest of `hardware.bytes_per_param` optimizer state."""
     params = sum(block.params for block in blocks)
-    optimizer_bytes = max(hardware.bytes_per_param - 2 * GRADIENT_BYTES_PER_PARAM, 0.0)
+    working_bytes = hardware.gradient_bytes_per_param
+    optimizer_bytes = max(hardware.bytes_per_param - 2 * working_bytes, 0.0)
     return zero_state_bytes(
-        stage,
-        params,
-        num_devices,
-        GRADIENT_BYTES_PER_PARAM,
-        GRADIENT_BYTES_PER_PARAM,
-        optimizer_bytes,
+        stage, params, num_devices, working_bytes, working_bytes, optimizer_bytes
     ).total
 
 
@@ -313,3 +335,48 @@ def executed_actions(plan: Schedule, rolled: bool = True) -> tuple[int, int]:
         return sum(map(len, plan.device_actions)), 0
     body = len(loop.body) * loop.rounds
     return len(loop.prologue) + body + len(loop.epilogue), loop.rounds
+
+
+def _extrapolates(
+    pipe: int, num_microbatches: int, hardware: Hardware, cross_host_axis: str | None
+) -> tuple[int, int] | None:
+    """The two micro-batch counts to simulate and extrapolate from, or None to simulate
+    `num_microbatches` itself (few of them, measured machine costs that count each
+    action, or stages across hosts, whose simulation runs the actions once more)."""
+    unit = pipe * math.ceil(8 / pipe)
+    counts = (2 * unit, 3 * unit)
+    if num_microbatches <= max(EXTRAPOLATE_ABOVE_MICROBATCHES, counts[1]):
+        return None
+    if hardware.machine is not None or cross_host_axis == "pipe":
+        return None
+    return counts
+
+
+def _extrapolated_simulation(
+    plan: Schedule, costs: CostModel, num_microbatches: int, counts: tuple[int, int]
+) -> SimulationResult:
+    """`simulate` of `plan`'s schedule at `num_microbatches`, from its simulations at
+    `counts` (multiples of its depth, which every schedule accepts): makespan, busy time
+    and live bytes each on the line through the two."""
+    pipe, chunks = plan.num_devices, plan.chunks
+    if plan.name in CHUNKED_SCHEDULES and num_microbatches % pipe:
+        build_schedule(plan.name, pipe, num_microbatches, chunks)  # raises its own error
+    low, high = (
+        simulate(build_schedule(plan.name, pipe, count, chunks if chunks > 1 else None), costs)
+        for count in counts
+    )
+    scale = (num_microbatches - counts[0]) / (counts[1] - counts[0])
+
+    def along(first, second):
+        return tuple(a + (b - a) * scale for a, b in zip(first, second, strict=True))
+
+    return SimulationResult(
+        schedule=plan,
+        records=(),
+        makespan=along((low.makespan,), (high.makespan,))[0],
+        busy_time=along(low.busy_time, high.busy_time),
+        peak_activations=tuple(
+            round(n) for n in along(low.peak_activations, high.peak_activations)
+        ),
+        peak_activation_bytes=along(low.peak_activation_bytes, high.peak_activation_bytes),
+    )
