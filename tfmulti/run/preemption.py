@@ -147,7 +147,11 @@ class SaveOnPreemption(keras.callbacks.Callback):
         if self._previous_sigterm is not None:
             signal.signal(signal.SIGTERM, self._previous_sigterm)
             self._previous_sigterm = None
-        self._handler = None
+        # Off the main thread, TensorFlow's thread that polls the request ends once it has
+        # seen it, and must not drop the handler's last reference: the handler's __del__
+        # would join that very thread. This callback keeps it until it goes itself.
+        if self._on_main_thread:
+            self._handler = None
         if self._scratch:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
