@@ -37,8 +37,8 @@ def trainer(
     """A Ray Train trainer for the run `config` describes, on `num_workers` Ray workers.
 
     Args:
-        config: the run; `model_dir` must be a directory every worker reaches (local
-            for a one-machine cluster, shared storage for several machines).
+        config: the run; `model_dir` (made absolute on the driver) must be a directory
+            every worker reaches: local on one machine, shared storage across several.
         num_workers: Ray workers, one tfmulti worker each.
         devices_per_worker: logical CPU devices each worker splits its CPU into
             (`--devices_per_worker` of `scripts/launch.py`); 0 keeps the physical ones.
@@ -55,6 +55,9 @@ def trainer(
     """
     if num_workers < 1:
         raise ValueError(f"num_workers must be 1 or more. Received: num_workers={num_workers}")
+    # Ray workers do not start in the driver's working directory.
+    model_dir = os.path.abspath(config.run.model_dir)
+    config = dataclasses.replace(config, run=dataclasses.replace(config.run, model_dir=model_dir))
     return TensorflowTrainer(
         train_loop,
         train_loop_config={"config": config, "devices_per_worker": devices_per_worker},
