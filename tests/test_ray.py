@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -76,6 +77,18 @@ def _ray_runs(directory: str) -> list[dict]:
     ]
 
 
+def _kill_processes_in(namespace: str) -> None:
+    """SIGKILLs every process whose network namespace is `namespace` (`net:[inode]`)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{entry}/ns/net") == namespace:
+                os.kill(int(entry), signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+
+
 @pytest.fixture(scope="module")
 def ray_runs(tmp_path_factory):
     """(directory, {run name: {"metrics", "error"}}) of the runs, "page" for the page's
@@ -109,15 +122,23 @@ def ray_runs(tmp_path_factory):
     ]
     try:
         with open(os.path.join(directory, "driver.log"), "w") as log:
-            driver = subprocess.run(
+            driver = subprocess.Popen(
                 command,
                 cwd=directory,
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                timeout=900,
                 preexec_fn=network.enter,
             )
+            namespace = os.readlink(f"/proc/{driver.pid}/ns/net")
+            try:
+                driver.wait(timeout=600)
+            finally:
+                driver.kill()
+                driver.wait()
+                # Ray's daemons outlive a driver that did not shut down: every process in
+                # the private network is this fixture's.
+                _kill_processes_in(namespace)
     finally:
         network.close()
         shutil.rmtree(ray_temp, ignore_errors=True)
@@ -130,7 +151,7 @@ def ray_runs(tmp_path_factory):
 def test_the_pages_ray_run_trains_multi_worker_to_one_devices_losses(ray_runs, one_device_metrics):
     directory, results = ray_runs
     metrics = read_metrics(os.path.join(directory, "runs", "ray"))
-    assert metrics["num_replicas"] == 4  # 2 Ray workers of 2 logical devices
+    assert metrics["run"]["num_replicas"] == 4  # 2 Ray workers of 2 logical devices
     assert_same_training(metrics, one_device_metrics)
     reported = results["page"]["metrics"]
     assert results["page"]["error"] is None
@@ -144,7 +165,7 @@ def test_train_called_by_a_plain_tensorflow_trainer_trains_to_one_devices_losses
 ):
     directory, _ = ray_runs
     metrics = read_metrics(os.path.join(directory, "runs", "ray_plain"))
-    assert metrics["num_replicas"] == 2
+    assert metrics["run"]["num_replicas"] == 2
     assert_same_training(metrics, one_device_metrics)
 
 

@@ -91,6 +91,8 @@ def train_loop(loop_config: dict) -> None:
     training_strategy = get_training_strategy(
         config.distribution.strategy, config.distribution.zero
     )
+    # A hybrid mesh is chief-driven only when its pipe axis crosses the workers.
+    training_strategy.resolve_cluster(config)
     if training_strategy.chief_drives_workers and context.get_world_size() > 1:
         _train_driven_by_chief(config, context.get_world_rank())
         return
