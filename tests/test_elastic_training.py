@@ -132,9 +132,7 @@ def uninterrupted_reference(shared_dir, workers: int) -> str:
     return shared_dir(f"elastic-{workers}_workers", fill)
 
 
-@pytest.mark.parametrize(
-    "zero", [(), ("--zero=2",)], ids=["mirrored_state", "zero2_sharded_state"]
-)
+@pytest.mark.parametrize("zero", [(), ("--zero=2",)], ids=["mirrored_state", "zero2_sharded_state"])
 def test_a_slot_killed_until_dropped_leaves_2_workers_that_end_like_the_uninterrupted_run(
     tmp_path, one_device_run, shared_dir, zero
 ):
