@@ -31,7 +31,10 @@ setup(
     },
     extras_require={
         "gpu": ["tensorflow[and-cuda]>=2.20,<2.22"],
+        # Ray Train as a launcher (tfmulti.ray); Train V2's API, tested on 2.60.0.
+        "ray": ["ray[train]>=2.60,<3"],
         "dev": [
+            "ray[train]>=2.60,<3",
             "pytest>=8",
             "pytest-xdist>=3.5",
             "pytest-timeout>=2.3",

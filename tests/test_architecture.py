@@ -35,7 +35,7 @@ LAYERS = [
     ["tfmulti.planner"],
     ["tfmulti.strategies"],
     ["tfmulti.run"],
-    ["tfmulti.flags"],
+    ["tfmulti.flags", "tfmulti.ray"],
     ["tfmulti.cli", "tfmulti"],
 ]
 LAYER_OF = {group: index for index, groups in enumerate(LAYERS) for group in groups}

@@ -54,6 +54,13 @@ EXCLUDED = {
     "(network, minutes)",
     '.venv/bin/pip install -e ".[gpu,dev]"': "installs CUDA wheels (network; no GPU here)",
     ".venv/bin/tensorboard --logdir runs/demo/logs": "a server that runs until stopped",
+    '.venv/bin/pip install -e ".[ray]"': "installs the environment these tests run in "
+    "(`.[dev]` holds the ray extra)",
+    ".venv/bin/python train_on_ray.py": "starts a Ray cluster, which the tests run only inside "
+    "a loopback-only network namespace: tests/test_ray.py runs the script (docs/guide/ray.md's "
+    "Python blocks) there",
+    "kubectl apply -f rayjob.yaml": "needs a Kubernetes cluster with KubeRay; "
+    "tests/test_ray.py checks the manifest",
     ".venv/bin/python scripts/plan.py --model=transformer --model_option=num_layers=6 "
     "--devices=8 [--memory_per_device=2GiB] [--global_batch=64] [--costs=FILE | "
     "--save_costs=FILE] [--json]": "a synopsis ([optional] parts), not a command; "

@@ -36,7 +36,7 @@ def _train(argv: list[str]) -> None:
     from tfmulti.collectives.collective_all_reduce import set_collective_timeout
     from tfmulti.collectives.tensor_reduction import set_tensor_reduction
     from tfmulti.platform.worker_console import quiet_unless_chief
-    from tfmulti.run.training import NOTHING_LEFT_TO_TRAIN
+    from tfmulti.run.training import NOTHING_LEFT_TO_TRAIN, SERVED_CHIEF
     from tfmulti.strategies import get_training_strategy
 
     set_tensor_reduction(FLAGS.tensor_reduce)
@@ -47,13 +47,8 @@ def _train(argv: list[str]) -> None:
     )
     cluster = training_strategy.resolve_cluster(config)
     quiet = quiet_unless_chief(cluster, FLAGS.verbose_workers)
-    if cluster is not None and not cluster.is_chief and training_strategy.chief_drives_workers:
-        from tfmulti.platform.connected_cluster import serve_chief
-
-        serve_chief(cluster, config.cluster.connect_timeout, config.cluster.agreed_flags)
-        return
     record = _train_or_report_timeout(config)
-    if quiet or record.get(NOTHING_LEFT_TO_TRAIN):
+    if quiet or record.get(NOTHING_LEFT_TO_TRAIN) or record.get(SERVED_CHIEF):
         return
     final = ", ".join(f"{name}={value:.4f}" for name, value in record["final"].items())
     logging.info("Final validation: %s", final)

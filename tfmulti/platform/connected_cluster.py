@@ -37,6 +37,7 @@ from tfmulti.platform.cluster_agreement import (
     disagreement_message,
 )
 from tfmulti.platform.mesh import HybridMesh
+from tfmulti.platform.sigterm import on_main_thread
 
 _POLL_SECONDS = 0.5
 # Each look for a serving worker's SIGTERM is a remote operation on every worker: at most
@@ -118,7 +119,8 @@ def serve_chief(
     CPU devices as this process was configured with (`configure_logical_devices`), then
     waits: first for the chief to listen, then for it to stop listening. Once the chief
     listens, SIGTERM does not end this worker: it tells the chief, which saves a step
-    checkpoint (reading this worker's variables) and stops the group.
+    checkpoint (reading this worker's variables) and stops the group (on the main thread;
+    elsewhere SIGTERM keeps its handler).
 
     Args:
         cluster: from `resolve_cluster`; this process must not be its chief.
@@ -210,8 +212,10 @@ def _serve_until_the_chief_has_gone(
         time.sleep(_POLL_SECONDS)
     # A SIGTERM (preemption, or the launcher stopping the group) is the chief's to act on:
     # told by the notice, it saves a step checkpoint, which reads this worker's
-    # variables, so this worker serves on until the chief has gone.
-    signal.signal(signal.SIGTERM, lambda signum, frame: notices.post_sigterm())
+    # variables, so this worker serves on until the chief has gone. Off the main thread
+    # (Ray Train) no handler can be installed: the engine that runs us stops the group.
+    if on_main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: notices.post_sigterm())
     from tfmulti.platform.allocator_peaks import local_peaks
 
     while _listens(chief):

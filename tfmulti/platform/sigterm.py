@@ -10,9 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 from collections.abc import Iterator
 
 from tfmulti.errors import Terminated
+
+
+def on_main_thread() -> bool:
+    """Whether this code runs on the main thread, the only one Python lets install a
+    signal handler (Ray Train, for one, runs a training function on another)."""
+    return threading.current_thread() is threading.main_thread()
 
 
 def _raise_terminated(signum, frame) -> None:
@@ -22,7 +29,10 @@ def _raise_terminated(signum, frame) -> None:
 @contextlib.contextmanager
 def sigterm_raises_terminated() -> Iterator[None]:
     """Within the block, SIGTERM raises `Terminated` in the main thread; the previous
-    handler comes back after it."""
+    handler comes back after it. Off the main thread the block changes nothing."""
+    if not on_main_thread():
+        yield
+        return
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield

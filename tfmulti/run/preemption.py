@@ -11,6 +11,11 @@ On one process (one device, mirrored, pipeline, placed, hybrid on one host) the 
 handler works locally, with no agreement to make. When the chief drives other workers'
 devices (`connected_cluster`), a SIGTERM to one of those workers reaches the chief as a
 notice, and the chief saves and exits as on its own.
+
+Off the main thread (Ray Train runs a training function on another) Python installs no
+signal handler: there the handler polls `request_preemption`'s flag instead, once a
+second, and the same agreement, save and exit follow. An engine that learns of a
+preemption (or a user's own watcher thread) calls `request_preemption()`.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import shutil
 import signal
 import tempfile
+import threading
 
 import keras
 import tensorflow as tf
@@ -25,11 +31,22 @@ from absl import logging
 
 from tfmulti.errors import Preempted, Terminated
 from tfmulti.platform.connected_cluster import serving_worker_got_sigterm
+from tfmulti.platform.sigterm import on_main_thread
 from tfmulti.run.step_checkpoint import StepCheckpoint
+
+_preemption_requested = threading.Event()
+
+
+def request_preemption() -> None:
+    """Asks a run trained off the main thread to save a step checkpoint and stop, as
+    SIGTERM does on the main thread; `fit` then raises `Preempted`. Safe from any thread;
+    the request holds until a run acts on it."""
+    _preemption_requested.set()
 
 
 class SaveOnPreemption(keras.callbacks.Callback):
-    """Saves a step checkpoint and ends training when this run or a peer gets SIGTERM.
+    """Saves a step checkpoint and ends training when this run or a peer gets SIGTERM
+    (off the main thread: when `request_preemption` is called).
 
     Put it after `step_checkpoint` among the callbacks (it saves at the position that
     one has counted) and after the callbacks that record an epoch (a preemption on an
@@ -52,6 +69,7 @@ class SaveOnPreemption(keras.callbacks.Callback):
         self.step_checkpoint = step_checkpoint
         self.cluster_resolver = cluster_resolver
         self._handler = None
+        self._on_main_thread = True
         self._previous_sigterm = None
         self._scratch = None
         self._saved: tuple[int, int, str] | None = None
@@ -59,13 +77,19 @@ class SaveOnPreemption(keras.callbacks.Callback):
         self._worker_got_sigterm = False
 
     def on_train_begin(self, logs=None):
-        self._previous_sigterm = signal.getsignal(signal.SIGTERM)
+        self._on_main_thread = on_main_thread()
+        if self._on_main_thread:
+            self._previous_sigterm = signal.getsignal(signal.SIGTERM)
         # The handler restores and keeps its own step counter in a checkpoint directory;
         # ours never writes there (save_fn replaces its save), so a scratch one serves.
         self._scratch = tempfile.mkdtemp(prefix="tfmulti-preemption-")
         manager = tf.train.CheckpointManager(tf.train.Checkpoint(), self._scratch, max_to_keep=1)
         config = tf.distribute.experimental.TerminationConfig(
-            exit_fn=self._exit, save_fn=self._save, grace_period=0
+            # None: the handler installs its SIGTERM handler, which only the main thread may.
+            termination_watcher_fn=None if self._on_main_thread else _preemption_requested.is_set,
+            exit_fn=self._exit,
+            save_fn=self._save,
+            grace_period=0,
         )
         self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
             self.cluster_resolver, manager, termination_config=config
@@ -76,8 +100,12 @@ class SaveOnPreemption(keras.callbacks.Callback):
         if rank is not None:
             self._worker_got_sigterm = True
             logging.warning("Worker %d got SIGTERM: saving a step checkpoint to stop at.", rank)
-            # The handler catches this process's SIGTERM: the same save at the same step.
-            signal.raise_signal(signal.SIGTERM)
+            # The handler catches this process's SIGTERM (or polls the flag off the main
+            # thread): the same save at the same step.
+            if self._on_main_thread:
+                signal.raise_signal(signal.SIGTERM)
+            else:
+                request_preemption()
         self._handler.save_checkpoint_if_preempted()
 
     def on_epoch_end(self, epoch, logs=None):
@@ -98,6 +126,7 @@ class SaveOnPreemption(keras.callbacks.Callback):
         self._saved = (epoch, step, self.step_checkpoint.save(epoch, step))
 
     def _exit(self) -> None:
+        _preemption_requested.clear()  # acted on
         if self.step_checkpoint is None:
             self.release()
             raise Terminated()
@@ -118,7 +147,11 @@ class SaveOnPreemption(keras.callbacks.Callback):
         if self._previous_sigterm is not None:
             signal.signal(signal.SIGTERM, self._previous_sigterm)
             self._previous_sigterm = None
-        self._handler = None
+        # Off the main thread, TensorFlow's thread that polls the request ends once it has
+        # seen it, and must not drop the handler's last reference: the handler's __del__
+        # would join that very thread. This callback keeps it until it goes itself.
+        if self._on_main_thread:
+            self._handler = None
         if self._scratch:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None

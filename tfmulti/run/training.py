@@ -7,6 +7,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 
 import keras
 from absl import logging
@@ -223,19 +224,46 @@ def _nothing_left_to_train(config: TrainConfig, resume_point: ResumePoint) -> di
         return {**json.load(handle), NOTHING_LEFT_TO_TRAIN: True}
 
 
-def train(config: TrainConfig) -> dict:
+# Marks the record `train` returns on a worker that lent its devices to the chief.
+SERVED_CHIEF = "served_chief"
+
+
+def train(config: TrainConfig, callbacks: Sequence[keras.callbacks.Callback] = ()) -> dict:
     """Trains the model described by `config` and returns the `metrics.json` record.
+
+    The entry point of every training run, `tfmulti-train`'s included, on every worker:
+    call it on each worker of a cluster (`TF_CONFIG`, `--worker_hosts` or SLURM). Where
+    the chief drives the other workers' devices (`pipeline`, `hybrid` across workers),
+    a non-chief worker serves the chief until it has gone and returns
+    `{"served_chief": True}`. It runs on the main thread or off it (Ray Train): off it,
+    `tfmulti.run.preemption.request_preemption` stands in for SIGTERM.
+
+    Args:
+        config: the run's settings.
+        callbacks: Keras callbacks to train with, after `--callbacks`' own (e.g.
+            `tfmulti.ray.ReportToRay`).
 
     Raises:
         ValueError: a setting is invalid (the message names it and the fix).
         TrainingError: training diverged; the last good checkpoint is kept.
+        Preempted: SIGTERM (or `request_preemption`) stopped the run at a saved step.
+
+    Example:
+        >>> from tfmulti.config import TrainConfig
+        >>> train(TrainConfig.from_flat(model="mlp", dataset="synthetic", epochs=1,
+        ...                             steps_per_epoch=5, model_dir="runs/mlp"))
     """
-    keras.utils.set_random_seed(config.run.seed)
-    keras.mixed_precision.set_dtype_policy(config.model.dtype)
     training_strategy = get_training_strategy(
         config.distribution.strategy, config.distribution.zero
     )
     cluster = training_strategy.resolve_cluster(config)
+    if training_strategy.serves_chief(cluster):
+        from tfmulti.platform.connected_cluster import serve_chief
+
+        serve_chief(cluster, config.cluster.connect_timeout, config.cluster.agreed_flags)
+        return {SERVED_CHIEF: True}
+    keras.utils.set_random_seed(config.run.seed)
+    keras.mixed_precision.set_dtype_policy(config.model.dtype)
     strategy = training_strategy.make_strategy(config, cluster)
     replicas = training_strategy.data_replicas(config, strategy)
     per_replica = per_replica_batch_size(config.data.batch_size, replicas)
@@ -251,7 +279,7 @@ def train(config: TrainConfig) -> dict:
         return _nothing_left_to_train(config, resume_point)
     start_step = resume_point.global_step if resume_point else 0
 
-    user_callbacks = load_callbacks(config.run.callbacks)
+    user_callbacks = [*load_callbacks(config.run.callbacks), *callbacks]
     registry.check_model_accepts(config.model.name, data_lib.dataset_task(config.data.dataset))
     source = data_lib.load_source(
         config.data.dataset, data_path=config.data.data_path, seed=config.run.seed
@@ -310,7 +338,7 @@ def train(config: TrainConfig) -> dict:
         log_dir=os.path.join(output_dir, "logs", "train"),
         is_chief=cluster is None or cluster.is_chief,
     )
-    callbacks, nan_guard = standard_callbacks(
+    run_callbacks, nan_guard = standard_callbacks(
         config,
         output_dir,
         record,
@@ -320,7 +348,7 @@ def train(config: TrainConfig) -> dict:
         cluster_resolver=getattr(strategy, "cluster_resolver", None) if cluster else None,
         user_callbacks=user_callbacks,
     )
-    training_strategy.finish_callbacks(callbacks, cluster)
+    training_strategy.finish_callbacks(run_callbacks, cluster)
     logging.info(
         "Training %s on %s: %s over %d replica(s), global batch %d (%d per replica).",
         config.model.name,
@@ -339,7 +367,7 @@ def train(config: TrainConfig) -> dict:
             initial_epoch=resume_point.epoch if resume_point else 0,
             steps_per_epoch=data.steps_per_epoch,
             validation_steps=validation_steps,
-            callbacks=callbacks,
+            callbacks=run_callbacks,
             verbose=2,
         )
     except IncompatibleCheckpoint:
@@ -352,7 +380,7 @@ def train(config: TrainConfig) -> dict:
         raise
     finally:
         # Keras skips on_train_end when fit raises: give SIGTERM back, remove the scratch.
-        for callback in callbacks:
+        for callback in run_callbacks:
             if isinstance(callback, SaveOnPreemption):
                 callback.release()
     if nan_guard.failure:

@@ -73,8 +73,13 @@ class TrainingStrategy:
         return None
 
     # True when, across workers, only the chief trains and the others lend it their
-    # devices (`tfmulti.platform.connected_cluster.serve_chief`) instead of calling `train`.
+    # devices (`tfmulti.platform.connected_cluster.serve_chief`, which `train` calls there).
     chief_drives_workers = False
+
+    def serves_chief(self, cluster: ClusterInfo | None) -> bool:
+        """Whether this worker of `cluster` lends its devices to a chief that drives them
+        instead of training (call after `resolve_cluster`)."""
+        return cluster is not None and not cluster.is_chief and self.chief_drives_workers
 
     def make_strategy(
         self, config: TrainConfig, cluster: ClusterInfo | None
