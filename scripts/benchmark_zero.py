@@ -30,11 +30,12 @@ import subprocess
 import sys
 import tempfile
 
-from absl import app, flags
+from absl import flags
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
+from tfmulti.flags.parsing import run_script  # noqa: E402
 from tfmulti.zero.formulas import zero_state_bytes  # noqa: E402
 
 flags.DEFINE_list("workers", ["2", "4"], "Worker counts N (one device each).")
@@ -77,9 +78,8 @@ def _run(num_workers: int, stage: int, model_dir: str) -> dict:
         command, capture_output=True, text=True, cwd=REPO_ROOT, env=environment, check=False
     )
     if result.returncode != 0:
-        raise SystemExit(
-            f"benchmark_zero: N={num_workers} stage {stage} failed: {result.stderr[-2000:]}"
-        )
+        last = [line for line in result.stderr.splitlines() if line.strip()][-1:]
+        raise ValueError(f"N={num_workers} stage {stage} failed: {' '.join(last)}")
     with open(os.path.join(model_dir, "metrics.json")) as handle:
         return json.load(handle)
 
@@ -188,4 +188,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run_script(main, (ValueError,))
