@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat setup.py | cksum | cut -d' ' -f1)
 DEMO_DIR ?= runs/demo
 
-.PHONY: demo test lint format venv clean
+.PHONY: demo test test-profile lint format venv clean
 
 venv: $(STAMP)
 
@@ -33,8 +33,17 @@ format: venv
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# Whole files to each worker, slowest first (tests/conftest.py), so the run ends on short
+# files; --durations=10: the ten slowest tests end the log, so a slow newcomer shows.
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --timeout=900 -o faulthandler_timeout=120 --durations=40 tests
+	$(BIN)/python -m pytest -q -n 2 --dist=loadfile --no-loadscope-reorder --timeout=900 \
+		-o faulthandler_timeout=120 --durations=10 tests
+
+# The suite's time per test, file and promise in runs/test-profile/profile.{md,json}, and
+# each file's seconds in tests/file_seconds.json (commit it when the order changed).
+test-profile: venv
+	$(BIN)/python tests/suite_profile.py --out=runs/test-profile \
+		--file_seconds=tests/file_seconds.json
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

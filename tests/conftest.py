@@ -1,6 +1,8 @@
 """Test set-up: split the CPU into logical devices before TensorFlow initialises."""
 
 import fcntl
+import json
+import math
 import os
 import shutil
 import sys
@@ -17,6 +19,17 @@ def pytest_configure(config):
     from tfmulti.platform.devices import configure_logical_devices
 
     configure_logical_devices(NUM_TEST_DEVICES, device_type="CPU")
+
+
+def pytest_collection_modifyitems(items):
+    """Runs the files that took longest in the last profile (`tests/file_seconds.json`, which
+    `make test-profile` writes) first, each file's tests in their order: `make test` hands
+    whole files to its two workers (`--dist=loadfile`), so the run ends on short files, both
+    workers busy, instead of on one slow file while the other waits. A file the record does
+    not know yet counts as the slowest."""
+    with open(os.path.join(os.path.dirname(__file__), "file_seconds.json")) as handle:
+        seconds = json.load(handle)
+    items.sort(key=lambda item: -seconds.get(item.nodeid.partition("::")[0], math.inf))
 
 
 @pytest.fixture(scope="session")

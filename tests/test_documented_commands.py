@@ -17,9 +17,10 @@ Then each run must exit 0 without a traceback and leave what it promises: a comp
 metrics.json, JSON that parses, valid PNGs.
 
 A command that does not run is in EXCLUDED, with the reason. One that would repeat another
-run once shrunk is in SAME_RUN (another documented command) or RUN_BY_SCRIPT_TESTS (a test
-of test_every_script_runs.py, which checks its output in detail), and a test holds that
-the other run has every flag of the shrunk command.
+run once shrunk is in SAME_RUN (another documented command), RUN_BY_SCRIPT_TESTS (a test
+of test_every_script_runs.py, which checks its output in detail) or RUN_BY_TRAIN_TESTS (a
+`train.py` test that compares the run with one device), and a test holds that the other run
+has every flag of the shrunk command, sizes aside.
 """
 
 import glob
@@ -33,6 +34,14 @@ import sys
 import pytest
 from script_runner import REPO_ROOT, read_metrics, script_environment
 from test_every_script_runs import RUNS, SMALLEST, assert_valid_png, json_values
+from test_train_script_hybrid import (
+    MESH_3D_LAUNCH,
+    MESH_3D_RUN,
+    ONE_HOST_RUN,
+    TWO_WORKERS_LAUNCH,
+    TWO_WORKERS_RUN,
+)
+from test_train_script_parallel import TWO_WAY_TENSOR_PARALLEL_RUN
 
 DOCUMENTS = (
     "README.md",
@@ -48,6 +57,7 @@ EXCLUDED = {
     "make demo": "trains at full size (minutes); differs from BUILD.md's pipeline command, "
     "which runs here, only in --schedule (test_make_demo_is_the_documented_pipeline_command)",
     "make test": "runs ruff and this whole suite, this test included",
+    "make test-profile": "runs this whole suite, this test included, to time it",
     "make format": "rewrites the checkout's files",
     "python3 -m venv .venv": "creates the environment these tests run in",
     '.venv/bin/pip install -e ".[dev]"': "installs the environment these tests run in "
@@ -93,6 +103,36 @@ RUN_BY_SCRIPT_TESTS = {
     ".venv/bin/python scripts/benchmark_parallel.py --sections=mesh3d "
     "--meshes=data=2,pipe=2,tensor=2 --meshes=data=1,pipe=2,tensor=4 --out=/tmp/mesh3d.json": (
         "benchmark_parallel"
+    ),
+}
+
+# A documented train.py command that a test runs already, with the flags it runs (launch.py's
+# and train.py's): the test, not this file, runs it.
+RUN_BY_TRAIN_TESTS = {
+    ".venv/bin/python scripts/train.py --strategy=hybrid --mesh=data=2,pipe=2 "
+    "--virtual_devices=4 --microbatches=4 --schedule=zb_h1 --model_dir=runs/hybrid": (
+        "test_train_script_hybrid.py::test_hybrid_script_on_one_host_trains_like_one_device",
+        ONE_HOST_RUN,
+    ),
+    ".venv/bin/python scripts/launch.py --num_workers=2 --devices_per_worker=2 -- "
+    ".venv/bin/python scripts/train.py --strategy=hybrid --mesh=data=2,pipe=2 "
+    "--microbatches=4 --model_dir=runs/hybrid2": (
+        "test_train_script_hybrid.py::"
+        "test_hybrid_script_across_two_workers_trains_like_one_device_with_chief_only_outputs",
+        (*TWO_WORKERS_LAUNCH, *TWO_WORKERS_RUN),
+    ),
+    ".venv/bin/python scripts/launch.py --num_workers=2 --devices_per_worker=4 -- "
+    ".venv/bin/python scripts/train.py --strategy=hybrid --mesh=data=2,pipe=2,tensor=2 "
+    "--model=transformer --dataset=tokens --microbatches=2 --model_dir=runs/hybrid3d": (
+        "test_train_script_hybrid.py::"
+        "test_data_pipe_tensor_mesh_across_two_workers_trains_like_one_device",
+        (*MESH_3D_LAUNCH, *MESH_3D_RUN),
+    ),
+    ".venv/bin/python scripts/train.py --strategy=model_parallel --tensor_parallel=2 "
+    "--virtual_devices=2 --num_stages=1 --model=transformer --dataset=tokens "
+    "--model_dir=runs/tp": (
+        "test_train_script_parallel.py::test_tensor_parallel_transformer_script_trains_like_unsplit",
+        TWO_WAY_TENSOR_PARALLEL_RUN,
     ),
 }
 
@@ -259,7 +299,8 @@ def _check_outputs(argv: list[str], stdout: str, directory: str) -> None:
 
 
 def _runs(commands: list[str]) -> list[str]:
-    return [c for c in commands if c not in {**EXCLUDED, **SAME_RUN, **RUN_BY_SCRIPT_TESTS}]
+    elsewhere = {**EXCLUDED, **SAME_RUN, **RUN_BY_SCRIPT_TESTS, **RUN_BY_TRAIN_TESTS}
+    return [c for c in commands if c not in elsewhere]
 
 
 def documented_scripts() -> set[str]:
@@ -307,6 +348,7 @@ def test_every_exclusion_and_same_run_names_a_documented_command():
 
     assert set(EXCLUDED) <= documented
     assert set(SAME_RUN) | set(SAME_RUN.values()) | set(RUN_BY_SCRIPT_TESTS) <= documented
+    assert set(RUN_BY_TRAIN_TESTS) <= documented
     assert not set(SAME_RUN.values()) & {*EXCLUDED, *SAME_RUN, *RUN_BY_SCRIPT_TESTS}
 
 
@@ -322,6 +364,22 @@ def test_a_benchmark_command_is_part_of_its_script_tests_run(command):
 
     assert os.path.basename(path) == script
     assert _without_outputs(documented) <= set(arguments)
+
+
+@pytest.mark.parametrize("command", sorted(RUN_BY_TRAIN_TESTS))
+def test_a_train_command_is_the_run_of_its_test(command):
+    test, tested_flags = RUN_BY_TRAIN_TESTS[command]
+    test_file, _, test_name = test.partition("::")
+    sizes = {_key(flag) for flag in (*SHRINK_TRAIN, *(f"{k}=" for k in SHRINK_ANY))}
+    documented = {
+        flag
+        for flag in _without_outputs(shrink(command)[1])
+        if flag.startswith("--") and flag != "--" and _key(flag) not in sizes
+    }
+
+    with open(os.path.join(REPO_ROOT, "tests", test_file)) as handle:
+        assert f"def {test_name}(" in handle.read()
+    assert documented <= set(tested_flags), f"{test} does not run {documented - set(tested_flags)}"
 
 
 def test_make_demo_is_the_documented_pipeline_command():

@@ -9,25 +9,45 @@ from script_runner import (
     assert_same_training,
     assert_split_recorded,
     last_line,
-    launch_training,
     one_line_error,
     read_metrics,
     run_script,
+    start_launched_training,
 )
+
+# Each run here holds every flag of a command docs/guide/hybrid_and_planner.md shows, which
+# test_documented_commands.py (RUN_BY_TRAIN_TESTS) therefore does not run again.
+ONE_HOST_RUN = (
+    *TWO_EPOCHS,
+    "--strategy=hybrid",
+    "--mesh=data=2,pipe=2",
+    "--virtual_devices=4",
+    "--microbatches=4",
+    "--schedule=zb_h1",
+)
+TWO_WORKERS_LAUNCH = ("--num_workers=2", "--devices_per_worker=2")
+TWO_WORKERS_RUN = (
+    *TWO_EPOCHS,
+    "--strategy=hybrid",
+    "--mesh=data=2,pipe=2",
+    "--cross_host_axis=data",  # each worker trains its own replica
+    "--microbatches=4",
+    "--schedule=zb_h1",
+    "--collective_timeout=120",
+    "--verbose_workers",
+)
+
+
+def launched(launch_flags, *train_args: str) -> tuple[int, str]:
+    """(exit code, output) of `launch.py launch_flags... -- train.py train_args...`."""
+    launcher = start_launched_training(launch_flags, train_args)
+    output, _ = launcher.communicate(timeout=240)
+    return launcher.returncode, output
 
 
 def test_hybrid_script_on_one_host_trains_like_one_device(tmp_path, one_device_metrics):
     model_dir = str(tmp_path / "run")
-    result = run_script(
-        "train.py",
-        *TWO_EPOCHS,
-        "--strategy=hybrid",
-        "--mesh=data=2,pipe=2",
-        "--virtual_devices=4",
-        "--microbatches=2",
-        "--schedule=1f1b",
-        f"--model_dir={model_dir}",
-    )
+    result = run_script("train.py", *ONE_HOST_RUN, f"--model_dir={model_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(model_dir)
     assert metrics["run"]["num_replicas"] == 2
@@ -42,17 +62,7 @@ def test_hybrid_script_across_two_workers_trains_like_one_device_with_chief_only
     one_device_metrics,
 ):
     model_dir = str(tmp_path / "run")
-    returncode, output = launch_training(
-        *TWO_EPOCHS,
-        "--strategy=hybrid",
-        "--mesh=data=2,pipe=2",
-        "--cross_host_axis=data",  # each worker trains its own replica
-        "--microbatches=2",
-        "--schedule=zb_h1",
-        "--collective_timeout=120",
-        "--verbose_workers",
-        f"--model_dir={model_dir}",
-    )
+    returncode, output = launched(TWO_WORKERS_LAUNCH, *TWO_WORKERS_RUN, f"--model_dir={model_dir}")
     assert returncode == 0, output[-3000:]
     # --verbose_workers: every worker prints its progress lines (2 epochs each).
     progress = [line for line in output.splitlines() if " - loss: " in line]
@@ -117,6 +127,13 @@ TRANSFORMER_MESH = (
     "--microbatches=2",
     "--partition=params",
 )
+MESH_3D_LAUNCH = ("--num_workers=2", "--devices_per_worker=4")
+MESH_3D_RUN = (
+    *TRANSFORMER,
+    *TRANSFORMER_MESH,
+    "--cross_host_axis=data",
+    "--collective_timeout=120",
+)
 
 
 def transformer_one_device_dir(shared_dir) -> str:
@@ -145,14 +162,8 @@ def test_data_pipe_tensor_mesh_across_two_workers_trains_like_one_device(
     # with collectives, each worker's tensor groups have keys of their own under the
     # runtime that also runs the cross-worker gradient all-reduce.
     model_dir = str(tmp_path / "mesh")
-    returncode, output = launch_training(
-        *TRANSFORMER,
-        *TRANSFORMER_MESH,
-        "--cross_host_axis=data",
-        "--collective_timeout=120",
-        f"--tensor_reduce={reduction}",
-        f"--model_dir={model_dir}",
-        devices_per_worker=4,
+    returncode, output = launched(
+        MESH_3D_LAUNCH, *MESH_3D_RUN, f"--tensor_reduce={reduction}", f"--model_dir={model_dir}"
     )
     assert returncode == 0, output[-3000:]
     metrics = read_metrics(model_dir)
