@@ -162,6 +162,21 @@ def test_saved_model_is_the_plain_model_with_whole_weights(tmp_path):
     np.testing.assert_allclose(loaded.predict(x, verbose=0), zero.predict(x, verbose=0), atol=1e-6)
 
 
+def test_a_zero_model_answers_keras_calls_as_the_plain_model():
+    zero, _ = _train(_mlp, stage=3)
+    plain = _mlp()
+    assert zero.count_params() == plain.count_params()
+    assert [tuple(w.shape) for w in zero.weights] == [tuple(w.shape) for w in plain.weights]
+    lines = []
+    zero.summary(print_fn=lambda text, **kwargs: lines.append(text))
+    text = "\n".join(lines)
+    assert "Dense" in text and "ZeRO stage 3: all state sharded over 4 devices" in text
+    ones = [np.ones_like(w) for w in zero.get_weights()]
+    zero.set_weights(ones)
+    for got in zero.get_weights():
+        np.testing.assert_array_equal(got, 1.0)
+
+
 def test_user_variables_give_up_their_storage_while_sharded():
     model = _mlp()
     zero = ZeroDataParallel(model, DEVICES, 3)

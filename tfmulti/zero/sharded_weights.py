@@ -104,20 +104,17 @@ class ShardedWeights:
         return reduced
 
     def whole_values(self, replica: int) -> list[tf.Tensor]:
-        """Every weight whole, made on device `replica` (call inside its device scope).
-
-        Stages 1-2 join the device's own copies (no traffic); stage 3 reads every owner's
-        block (an all-gather).
+        """Every weight whole on device `replica` from the blocks it holds (stages 1-2: its
+        own block and its copies of the others, so no traffic); call inside its device scope.
         """
         values = []
-        for k, (layout, blocks) in enumerate(zip(self.layouts, self.owned, strict=True)):
-            if self.keep_whole_copies:
-                held = self.copies[replica][k]
-                reads = [blocks[j] if held[j] is None else held[j] for j in range(len(blocks))]
-            else:
-                reads = blocks
-            joined = tf.concat([self._read(read, j) for j, read in enumerate(reads)], axis=0)
-            values.append(tf.reshape(joined[: layout.rows], layout.shape))
+        for k, blocks in enumerate(self.owned):
+            held = self.copies[replica][k]
+            reads = [
+                self._read(block if copy is None else copy, j)
+                for j, (block, copy) in enumerate(zip(blocks, held, strict=True))
+            ]
+            values.append(self.join(k, reads))
         return values
 
     def _read(self, variable, owner: int) -> tf.Tensor:

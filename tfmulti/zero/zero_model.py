@@ -115,7 +115,9 @@ class ZeroDataParallel(WrappedModel, keras.Model):
         )
 
     def to_model(self) -> keras.Model:
-        raise ValueError("Use ZeroDataParallel.whole_weights() to read the plain model.")
+        """The plain model, for its structure (`summary`, `count_params`); its weights'
+        values are read inside `whole_weights()`."""
+        return self.plain_model
 
     @contextlib.contextmanager
     def whole_weights(self):
