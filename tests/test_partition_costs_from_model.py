@@ -62,7 +62,7 @@ def test_identical_layer_calls_are_timed_once(timed, caplog):
     model = _repeated_dense_model()
     x = np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
 
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="absl"):
         _cut(model, x, num_stages=3)
 
     assert timed == ["stem", "hidden_0", "head"]
@@ -124,7 +124,7 @@ def test_a_second_cut_with_the_same_cache_times_nothing_and_cuts_at_the_same_cal
     timed_first = len(timed)
     assert path.exists() and timed_first > 0
 
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="absl"):
         second = _cut(gpt2_causal_lm(), x, num_stages=3, cost_cache=CostCache(str(path)))
 
     assert len(timed) == timed_first  # nothing timed again

@@ -411,7 +411,8 @@ def test_a_host_that_does_not_answer_fails_its_slot_until_dropped(tmp_path, monk
         stdout, stderr = stop_stand_ins(launcher, stop_file)
     assert launcher.returncode == 0, stderr
     assert stderr.count("launch: could not reach host 127.0.0.4 through --remote_shell=") == 2
-    assert "launch: restarting all workers (1/1)" in stderr
+    # The per-slot budget restarts the failed slot on its own count, not --max_restarts'.
+    assert "launch: restarting all workers (failed slot restarts: 127.0.0.4 1/1)" in stderr
     assert (
         "launch: 127.0.0.4 failed more than --max_restarts_per_worker=1 times; 127.0.0.4 left; "
         "2 workers (127.0.0.2, 127.0.0.3); restarting the group" in stderr

@@ -12,11 +12,11 @@ HOSTS = ["127.0.0.1:2222", "127.0.0.1:2223"]
 
 @pytest.fixture
 def console_state():
-    """Restores Keras's interactive logging and absl's verbosity after the test."""
-    verbosity = logging.get_verbosity()
+    """Restores Keras's interactive logging and the absl logger's own level after the test."""
+    level = logging.get_absl_logger().level
     yield
     keras.config.enable_interactive_logging()
-    logging.set_verbosity(verbosity)
+    logging.get_absl_logger().setLevel(level)
 
 
 def test_a_non_chief_worker_prints_only_warnings_and_errors(console_state):

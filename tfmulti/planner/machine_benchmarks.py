@@ -37,6 +37,7 @@ from tfmulti.costing.cost_cache import CostCache
 from tfmulti.pipeline.schedules import build_schedule
 from tfmulti.planner.machine import MachineCosts
 from tfmulti.planner.scoring import NO_PIPELINE, executed_actions
+from tfmulti.platform.quiet_logs import warnings_only
 
 _STEPS = 16
 _WARMUP_STEPS = 4
@@ -161,18 +162,6 @@ def timed_with_callbacks(make_callbacks: Callable[[], list]) -> Iterator[None]:
         _STEP_CALLBACKS.reset(token)
 
 
-@contextlib.contextmanager
-def _info_logs_off() -> Iterator[None]:
-    """Leaves out what a timed `fit`'s callbacks log at INFO (a training run's throughput
-    lines): the benchmarks' epochs are not the user's."""
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity(logging.WARNING)
-    try:
-        yield
-    finally:
-        logging.set_verbosity(verbosity)
-
-
 def _median_and_spread(samples: list[float], spreads: list[float]) -> float:
     quartiles = statistics.quantiles(samples, n=4)
     median = statistics.median(samples)
@@ -237,7 +226,7 @@ def _timed_build(runs, rounds: int) -> list[tuple[float, float]]:
             data = tf.data.Dataset.from_tensor_slices((x, y)).batch(len(x)).repeat()
             callbacks = make_callbacks()
             models.append((model, data, callbacks))
-            with _info_logs_off():
+            with warnings_only():
                 model.fit(
                     data, steps_per_epoch=_WARMUP_STEPS, epochs=1, verbose=0, callbacks=callbacks
                 )
@@ -245,7 +234,7 @@ def _timed_build(runs, rounds: int) -> list[tuple[float, float]]:
         for _ in range(rounds):
             for index, (model, data, callbacks) in enumerate(models):
                 clock = _StepClock()
-                with _info_logs_off():
+                with warnings_only():
                     model.fit(
                         data,
                         steps_per_epoch=_STEPS // rounds + 1,

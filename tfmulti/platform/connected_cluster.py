@@ -37,6 +37,7 @@ from tfmulti.platform.cluster_agreement import (
     disagreement_message,
 )
 from tfmulti.platform.mesh import HybridMesh
+from tfmulti.platform.quiet_logs import warnings_only
 from tfmulti.platform.sigterm import on_main_thread
 
 _POLL_SECONDS = 0.5
@@ -87,20 +88,18 @@ def connect_to_workers(
     job, task = cluster.task()
     watchdog = cluster_lib.start_join_watchdog(cluster, connect_timeout_seconds)
     # TensorFlow logs the whole session config at INFO while it connects.
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity(logging.WARNING)
     try:
-        tf.config.experimental_connect_to_cluster(
-            tf.train.ClusterSpec(cluster.cluster_spec()), job_name=job, task_index=task
-        )
-        tf.config.list_logical_devices()  # waits for the workers that have not joined yet
+        with warnings_only():
+            tf.config.experimental_connect_to_cluster(
+                tf.train.ClusterSpec(cluster.cluster_spec()), job_name=job, task_index=task
+            )
+            tf.config.list_logical_devices()  # waits for the workers that have not joined yet
     except (RuntimeError, ValueError) as error:
         raise ClusterError(
             "Connect to the workers before any other TensorFlow work (tensors, models, "
             f"listing logical devices). TensorFlow said: {error}"
         ) from None
     finally:
-        logging.set_verbosity(verbosity)
         if watchdog is not None:
             watchdog.stdin.close()  # tells the watchdog to stand down
             watchdog.wait()
