@@ -5,7 +5,7 @@ with its pipe axis across the workers (`hybrid`), of the reference Transformer (
 length `--sequence_length`, vocabulary 64): once in one process with `--num_workers` x
 `--devices_per_worker` logical CPU devices, once over `scripts/launch.py
 --num_workers --devices_per_worker`, where the chief connects to the cluster and drives
-every stage (`tfmulti/platform/connected_cluster.py`). Each run is a fresh process (or
+every stage (`tfmulti/platform/runtime/connected_cluster.py`). Each run is a fresh process (or
 group), and reports:
 - start-up: wall seconds from starting the process (or the launcher) to the end of the
   first training step, and the chief's CPU seconds to it;
@@ -94,9 +94,9 @@ def _blocks():
 
 def _stage_devices(layout: str, cluster) -> tuple[list[list[str]], int]:
     """Per replica, the device of each stage; and the stages each worker holds."""
-    from tfmulti.platform.connected_cluster import devices_across_workers, pipe_major_groups
-    from tfmulti.platform.devices import logical_device_names
     from tfmulti.platform.mesh import parse_mesh
+    from tfmulti.platform.runtime.connected_cluster import devices_across_workers, pipe_major_groups
+    from tfmulti.platform.runtime.devices import logical_device_names
 
     if layout == "pipeline":
         count, purpose = FLAGS.num_stages, f"--num_stages={FLAGS.num_stages}"
@@ -254,8 +254,8 @@ def measure(layout: str, place: str) -> dict:
 def _connect():
     """The cluster after connecting to it on the chief; False on a serving worker."""
     from tfmulti.flags.agreed_flags import agreed_flags
-    from tfmulti.platform.cluster import resolve_cluster
-    from tfmulti.platform.connected_cluster import connect_to_workers, serve_chief
+    from tfmulti.platform.runtime.cluster import resolve_cluster
+    from tfmulti.platform.runtime.connected_cluster import connect_to_workers, serve_chief
 
     cluster = resolve_cluster()
     if not cluster.is_chief:
@@ -380,8 +380,8 @@ def plot(records: list[dict], path: str) -> None:
 
 def main(argv):
     del argv
-    from tfmulti.platform.devices import configure_logical_devices
-    from tfmulti.platform.tf_startup import start_tensorflow
+    from tfmulti.platform.runtime.devices import configure_logical_devices
+    from tfmulti.platform.runtime.tf_startup import start_tensorflow
 
     if FLAGS.only:
         layout, place = FLAGS.only.split(":")

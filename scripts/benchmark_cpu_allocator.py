@@ -1,6 +1,6 @@
 """Benchmark: scripts/train.py's step with TensorFlow's default CPU allocator and with BFC.
 
-tfmulti asks for TensorFlow's BFC CPU allocator (`tfmulti.platform.cpu_allocator`); this
+tfmulti asks for TensorFlow's BFC CPU allocator (`tfmulti.platform.runtime.cpu_allocator`); this
 measures what that choice is worth on this machine. Each run (a `--run` of train.py flags)
 trains in fresh processes, once with `TF_CPU_ALLOCATOR_USE_BFC=false` and once with
 `true`, in alternating rounds so machine noise hits both alike; a process's step is the
@@ -23,7 +23,7 @@ from absl import flags
 
 from tfmulti.flags.parsing import run_script
 from tfmulti.planner.validation import TRAIN_SCRIPT, run_timed_training, training_run_flags
-from tfmulti.platform.cpu_allocator import CPU_ALLOCATOR_ENV
+from tfmulti.platform.runtime.cpu_allocator import CPU_ALLOCATOR_ENV
 
 _MODEL = (
     "--model=transformer --dataset=tokens --model_option=num_layers=4 --model_option=d_model=64"

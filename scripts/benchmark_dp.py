@@ -23,7 +23,7 @@ Example:
     python scripts/benchmark_dp.py --virtual_devices=2 --steps=100 --rounds=4
 """
 
-from tfmulti.platform.tf_startup import start_tensorflow
+from tfmulti.platform.runtime.tf_startup import start_tensorflow
 
 # Imported below at module level (the timer subclasses a Keras callback), so TensorFlow
 # starts before flags are read: TF_CPP_MIN_LOG_LEVEL, not a flag, brings its notices back.
@@ -99,7 +99,7 @@ def handwritten_run(source):
 def tfmulti_run(source, model_dir):
     """The same run through tfmulti's strategy factory, data pipeline and callbacks."""
     from tfmulti.config import TrainConfig
-    from tfmulti.platform.distribute_strategy import get_strategy
+    from tfmulti.platform.runtime.distribute_strategy import get_strategy
     from tfmulti.run.run_record import RunRecord
     from tfmulti.run.training import standard_callbacks
 
@@ -171,7 +171,7 @@ def _run_round(model, dataset, callbacks, timer, first_epoch: int) -> float:
 
 def main(argv):
     del argv
-    from tfmulti.platform.devices import configure_logical_devices
+    from tfmulti.platform.runtime.devices import configure_logical_devices
 
     configure_logical_devices(FLAGS.virtual_devices, device_type="CPU")
     source = _synthetic_source()

@@ -47,7 +47,7 @@ from absl import flags
 
 from tfmulti.flags.console_flags import define_console_flags
 from tfmulti.flags.parsing import run_script
-from tfmulti.platform.tf_startup import start_tensorflow
+from tfmulti.platform.runtime.tf_startup import start_tensorflow
 
 define_console_flags()
 SECTIONS = ["mlp", "keras_llama", "mesh3d", "tensor_reduce"]
@@ -136,7 +136,7 @@ def _training_step(layer, home_device):
     import keras
     import tensorflow as tf
 
-    from tfmulti.platform.optimizer_devices import place_optimizer_on_variable_devices
+    from tfmulti.platform.runtime.optimizer_devices import place_optimizer_on_variable_devices
 
     optimizer = keras.optimizers.SGD(learning_rate=1e-3)
     place_optimizer_on_variable_devices(optimizer)
@@ -595,7 +595,7 @@ def mesh3d_records() -> list[dict]:
 def main(argv):
     del argv
     start_tensorflow(FLAGS.tf_log_level)
-    from tfmulti.platform.devices import configure_logical_devices
+    from tfmulti.platform.runtime.devices import configure_logical_devices
 
     llama_ways = [rows * ways for rows, ways in map(_llama_mesh_shape, FLAGS.llama_ways)]
     mesh_devices = [MESH3D_DEVICES] if "mesh3d" in FLAGS.sections else []

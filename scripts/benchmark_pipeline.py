@@ -38,7 +38,7 @@ from absl import flags
 from tfmulti.flags.console_flags import define_console_flags
 from tfmulti.flags.parsing import run_script
 from tfmulti.pipeline.schedules import SCHEDULE_NAMES
-from tfmulti.platform.tf_startup import start_tensorflow
+from tfmulti.platform.runtime.tf_startup import start_tensorflow
 
 BENCHMARKS = ("fidelity", "real_compute", "memory")
 # (schedule, baseline): the gains the fidelity benchmark predicts and measures.
@@ -155,7 +155,7 @@ def _hold_model(schedule, num_devices, num_microbatches, chunks, forward_s_per_r
     import keras
 
     from tfmulti.pipeline.runtime import PipelineModel
-    from tfmulti.platform.devices import logical_device_names
+    from tfmulti.platform.runtime.devices import logical_device_names
 
     hold_stage, _ = _hold_stage_class()
     per_chunk = forward_s_per_row / chunks
@@ -349,7 +349,7 @@ def real_compute_records():
 
     from tfmulti.models import build_blocks, build_model
     from tfmulti.pipeline.runtime import PipelineModel, stages_from_blocks
-    from tfmulti.platform.devices import logical_device_names
+    from tfmulti.platform.runtime.devices import logical_device_names
 
     vocab, sequence = 512, FLAGS.real_sequence_length
     options = dict(num_layers=FLAGS.real_num_layers, num_heads=4, d_model=FLAGS.real_d_model)
@@ -470,7 +470,7 @@ def main(argv):
     start_tensorflow(FLAGS.tf_log_level)
     import tensorflow as tf
 
-    from tfmulti.platform.devices import configure_logical_devices
+    from tfmulti.platform.runtime.devices import configure_logical_devices
 
     # A held device blocks one inter-op thread, and TensorFlow sizes that pool by cores (2
     # here): give every logical device threads of its own so holds overlap as on real ones.

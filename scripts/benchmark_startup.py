@@ -64,7 +64,7 @@ def _build(kind: str, layers: int, microbatches: int, data_replicas: int):
     from tfmulti.hybrid import HybridPipelineModel
     from tfmulti.models import build_blocks, build_model
     from tfmulti.pipeline.runtime import PipelineModel, partition_blocks, stages_from_blocks
-    from tfmulti.platform.devices import logical_device_names
+    from tfmulti.platform.runtime.devices import logical_device_names
 
     options = dict(num_layers=layers)
     if kind == "one_device":
@@ -270,8 +270,8 @@ def _plot_hybrid(axis, hybrid: list[dict]) -> None:
 
 def main(argv):
     del argv
-    from tfmulti.platform.devices import configure_logical_devices
-    from tfmulti.platform.tf_startup import start_tensorflow
+    from tfmulti.platform.runtime.devices import configure_logical_devices
+    from tfmulti.platform.runtime.tf_startup import start_tensorflow
 
     if FLAGS.only:
         kind, layers, microbatches, data = FLAGS.only.split(":")

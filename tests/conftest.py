@@ -16,7 +16,7 @@ NUM_TEST_DEVICES = 8
 
 
 def pytest_configure(config):
-    from tfmulti.platform.devices import configure_logical_devices
+    from tfmulti.platform.runtime.devices import configure_logical_devices
 
     configure_logical_devices(NUM_TEST_DEVICES, device_type="CPU")
 

@@ -141,7 +141,7 @@ def train_pipeline_and_chain(
         the losses of the last step.
     """
     from tfmulti.pipeline.runtime import PipelineModel
-    from tfmulti.platform.devices import logical_device_names
+    from tfmulti.platform.runtime.devices import logical_device_names
 
     devices = logical_device_names("CPU")[:num_devices]
     num_stages = num_devices * chunks

@@ -24,8 +24,8 @@ from test_pipeline_across_workers import (
     signalled_one_device_dir,
 )
 
-from tfmulti.platform.cluster import resolve_cluster
-from tfmulti.platform.cluster_agreement import (
+from tfmulti.platform.runtime.cluster import resolve_cluster
+from tfmulti.platform.runtime.cluster_agreement import (
     WorkerNotices,
     agreed_settings,
     disagreement_message,
@@ -133,7 +133,7 @@ def test_a_sigterm_to_a_serving_worker_alone_saves_and_the_group_ends_like_the_u
 def test_the_chief_looks_for_a_serving_workers_sigterm_every_few_steps_of_a_fast_run(
     monkeypatch,
 ):
-    from tfmulti.platform import connected_cluster
+    from tfmulti.platform.runtime import connected_cluster
 
     class Notices:
         looks = 0

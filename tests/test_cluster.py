@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from tfmulti.platform import cluster as cluster_lib
-from tfmulti.platform import input_sharding
-from tfmulti.platform.worker_places import free_ports
+from tfmulti.platform.launching.worker_places import free_ports
+from tfmulti.platform.runtime import cluster as cluster_lib
+from tfmulti.platform.runtime import input_sharding
 
 HOSTS = ["127.0.0.1:2222", "127.0.0.1:2223", "127.0.0.1:2224"]
 
@@ -83,7 +83,7 @@ def test_unknown_communication_is_rejected_before_tensorflow_starts():
 def test_unreachable_peer_gives_a_one_line_error_within_the_connect_timeout():
     hosts = [f"127.0.0.1:{port}" for port in free_ports(2)]
     code = (
-        "from tfmulti.platform import cluster\n"
+        "from tfmulti.platform.runtime import cluster\n"
         f"info = cluster.resolve_cluster({hosts!r}, 0)\n"
         "cluster.build_multi_worker_strategy(info, connect_timeout_seconds=3)\n"
     )

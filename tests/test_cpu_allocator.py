@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tfmulti.platform.cpu_allocator import CPU_ALLOCATOR_ENV, prefer_bfc_cpu_allocator
+from tfmulti.platform.runtime.cpu_allocator import CPU_ALLOCATOR_ENV, prefer_bfc_cpu_allocator
 
 # Trains a small Transformer under OneDeviceStrategy and prints the process's minor page
 # faults per step after warm-up (the kernel's count, not a time).
@@ -75,7 +75,7 @@ def test_the_users_choice_of_allocator_is_kept(monkeypatch, choice, expected):
 def test_scripts_start_tensorflow_with_the_bfc_allocator():
     code = (
         "import os\n"
-        "from tfmulti.platform.tf_startup import start_tensorflow\n"
+        "from tfmulti.platform.runtime.tf_startup import start_tensorflow\n"
         "start_tensorflow()\n"
         f"print(os.environ[{CPU_ALLOCATOR_ENV!r}])\n"
     )
@@ -95,7 +95,7 @@ def test_tensorflows_default_cpu_allocator_still_takes_fresh_pages_every_step():
 
     assert default_faults > 300, (
         f"TensorFlow's default CPU allocator took {default_faults:.0f} fresh pages a step: "
-        "it may no longer need tfmulti.platform.cpu_allocator"
+        "it may no longer need tfmulti.platform.runtime.cpu_allocator"
     )
     assert bfc_faults < default_faults / 10, (
         f"BFC took {bfc_faults:.0f} fresh pages a step against the default's "

@@ -222,7 +222,7 @@ def test_a_pairs_second_action_waits_for_what_the_first_waited_for_not_for_the_f
     import tensorflow as tf
 
     from tfmulti.pipeline.runtime import PipelineModel
-    from tfmulti.platform.devices import logical_device_names
+    from tfmulti.platform.runtime.devices import logical_device_names
 
     num_microbatches = 4
     pipeline = PipelineModel(

@@ -10,7 +10,7 @@ import time
 import pytest
 from script_runner import LAUNCH, worker_program
 
-from tfmulti.platform.membership import (
+from tfmulti.platform.launching.membership import (
     Change,
     DataReplicas,
     Membership,

@@ -15,8 +15,8 @@ from pipeline_runtime_models import (
 )
 
 from tfmulti.hybrid import HybridPipelineModel, build_hybrid_model
-from tfmulti.platform.devices import logical_device_names
 from tfmulti.platform.mesh import MeshError, parse_mesh
+from tfmulti.platform.runtime.devices import logical_device_names
 
 STEPS = 3
 GLOBAL_BATCH = 16

@@ -27,9 +27,9 @@ from test_pipeline_across_workers import (
 )
 from test_train_script_hybrid import TRANSFORMER, TRANSFORMER_MESH, transformer_one_device_dir
 
-from tfmulti.platform.cluster import resolve_cluster
-from tfmulti.platform.connected_cluster import mesh_groups_across_workers, pipe_major_groups
 from tfmulti.platform.mesh import parse_mesh
+from tfmulti.platform.runtime.cluster import resolve_cluster
+from tfmulti.platform.runtime.connected_cluster import mesh_groups_across_workers, pipe_major_groups
 
 # The pipe axis crosses the workers without --cross_host_axis=pipe: it is the default.
 PIPE_ACROSS_WORKERS = ("--strategy=hybrid", "--mesh=data=2,pipe=2", "--microbatches=2")

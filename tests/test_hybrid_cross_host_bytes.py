@@ -18,7 +18,7 @@ from tensorflow.python.eager import context
 
 from tfmulti.hybrid import HybridPipelineModel
 from tfmulti.pipeline.runtime import PipelineModel
-from tfmulti.platform.devices import logical_device_names
+from tfmulti.platform.runtime.devices import logical_device_names
 
 # Devices 0, 1 stand for the first worker, 2, 3 for the second.
 HOST_OF_DEVICE = {0: 0, 1: 0, 2: 1, 3: 1}

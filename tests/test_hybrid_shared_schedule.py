@@ -16,8 +16,8 @@ from pipeline_runtime_models import (
 from tfmulti.compat.remapped_functions import DeviceMap, UnmovableFunction
 from tfmulti.hybrid import HybridPipelineModel
 from tfmulti.pipeline.runtime.pipeline_model import PipelineModel
-from tfmulti.platform.devices import logical_device_names
 from tfmulti.platform.mesh import parse_mesh
+from tfmulti.platform.runtime.devices import logical_device_names
 
 
 @pytest.fixture

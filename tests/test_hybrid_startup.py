@@ -19,8 +19,8 @@ from pipeline_runtime_models import (
 from tfmulti.compat import tf_internals
 from tfmulti.hybrid import HybridPipelineModel, build_hybrid_model_from_model
 from tfmulti.pipeline.runtime import shared_traces, stage_functions
-from tfmulti.platform.devices import logical_device_names
 from tfmulti.platform.mesh import parse_mesh
+from tfmulti.platform.runtime.devices import logical_device_names
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ from pipeline_runtime_models import device_index
 from tfmulti.hybrid import build_hybrid_model
 from tfmulti.models import registry
 from tfmulti.parallel import ColumnParallelDense
-from tfmulti.platform.devices import logical_device_names
 from tfmulti.platform.mesh import MeshError, parse_mesh
+from tfmulti.platform.runtime.devices import logical_device_names
 
 VOCABULARY, LENGTH, BATCH, STEPS = 16, 8, 8, 3
 OPTIONS = {"num_layers": 2, "num_heads": 4, "d_model": 8}

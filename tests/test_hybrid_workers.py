@@ -13,7 +13,7 @@ from pipeline_runtime_models import Chain
 
 from tests.workers.local_cluster import WORKERS_DIR, assert_all_workers_succeeded, run_local_cluster
 from tfmulti.hybrid import worker_rows
-from tfmulti.platform.cluster import resolve_cluster, resolve_cluster_if_described
+from tfmulti.platform.runtime.cluster import resolve_cluster, resolve_cluster_if_described
 
 
 def _load_worker_module():

@@ -24,12 +24,12 @@ from script_runner import (
     start_launched_training,
 )
 
-from tfmulti.platform.network_isolation import (
+from tfmulti.platform.launching.network_isolation import (
     IsolationUnavailable,
     PrivateNetwork,
     has_only_loopback,
 )
-from tfmulti.platform.worker_places import free_ports
+from tfmulti.platform.launching.worker_places import free_ports
 
 LAUNCH = os.path.join(REPO_ROOT, "scripts", "launch.py")
 LISTENING_WORKER = os.path.join(REPO_ROOT, "tests", "workers", "listening_worker.py")
@@ -214,7 +214,7 @@ def test_an_unknown_isolation_is_one_line_naming_the_choices(tmp_path):
 
 _CHIEF_OF_ONE_WORKER = """
 import sys
-from tfmulti.platform.cluster import build_multi_worker_strategy, resolve_cluster
+from tfmulti.platform.runtime.cluster import build_multi_worker_strategy, resolve_cluster
 build_multi_worker_strategy(resolve_cluster([sys.argv[1]], task_index=0))
 """
 

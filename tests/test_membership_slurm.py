@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from script_runner import LAUNCH, worker_program
 
-from tfmulti.platform import launcher
-from tfmulti.platform.slurm_nodes import (
+from tfmulti.platform.launching import launcher
+from tfmulti.platform.launching.slurm_nodes import (
     allocation_slots,
     expand_nodelist,
     expand_tasks_per_node,
@@ -185,7 +185,7 @@ def test_scontrol_expands_the_node_list_where_it_runs(tmp_path, monkeypatch):
 def test_a_failing_scontrol_falls_back_to_the_parser(tmp_path, monkeypatch, script):
     _fake_scontrol(tmp_path, script)
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr("tfmulti.platform.slurm_nodes._SCONTROL_TIMEOUT", 0.5)
+    monkeypatch.setattr("tfmulti.platform.launching.slurm_nodes._SCONTROL_TIMEOUT", 0.5)
     assert hostnames("n[1-2]") == ["n1", "n2"]
 
 

@@ -13,7 +13,7 @@ import tfmulti.pipeline.stages.block_partition as partition
 from tfmulti.hybrid import build_hybrid_model_from_model
 from tfmulti.parallel import place
 from tfmulti.pipeline.runtime import CostCache, PipelineModel
-from tfmulti.platform.devices import first_logical_devices, logical_device_names
+from tfmulti.platform.runtime.devices import first_logical_devices, logical_device_names
 
 WIDTH, REPEATS = 16, 4
 

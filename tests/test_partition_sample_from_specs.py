@@ -9,7 +9,7 @@ from pipeline_graph_models import implicit_mask_model, masked_model, regression_
 from tfmulti.pipeline.runtime import PipelineModel
 from tfmulti.pipeline.stages.spec_sample import sample_from_input_specs
 from tfmulti.placement.placed_model import place
-from tfmulti.platform.devices import first_logical_devices
+from tfmulti.platform.runtime.devices import first_logical_devices
 
 
 def _cut_predicts_like_the_model(model, x, **options):

@@ -34,7 +34,7 @@ from script_runner import (
     worker_pid,
 )
 
-from tfmulti.platform.devices import worker_device_name
+from tfmulti.platform.runtime.devices import worker_device_name
 
 FLAGS = TWO_EPOCHS  # the suite's shared small run, whose one-device record conftest keeps
 PIPELINE = ("--strategy=pipeline", "--num_stages=4", "--microbatches=4", "--partition=params")

@@ -25,7 +25,7 @@ from pipeline_runtime_models import (
 )
 
 from tfmulti.pipeline.runtime import PipelineModel, stages_from_blocks
-from tfmulti.platform.devices import first_logical_devices
+from tfmulti.platform.runtime.devices import first_logical_devices
 
 BATCH = 8
 

@@ -19,7 +19,7 @@ from pipeline_graph_models import (
 from pipeline_runtime_models import device_index
 
 from tfmulti.pipeline.runtime import PipelineModel
-from tfmulti.platform.devices import first_logical_devices
+from tfmulti.platform.runtime.devices import first_logical_devices
 
 STEPS = 3
 BATCH = 8

@@ -54,7 +54,7 @@ PROGRAM = textwrap.dedent(
     """
     import sys
     sys.path.insert(0, {tests!r})
-    from tfmulti.platform.devices import configure_logical_devices, logical_device_names
+    from tfmulti.platform.runtime.devices import configure_logical_devices, logical_device_names
     configure_logical_devices(2, device_type="CPU")
     from pipeline_runtime_models import Chain, dense_stages, regression_batches
     from tfmulti.pipeline.runtime import PipelineModel

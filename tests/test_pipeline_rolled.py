@@ -17,7 +17,7 @@ from pipeline_runtime_models import (
 )
 
 from tfmulti.pipeline.runtime import PipelineModel
-from tfmulti.platform.devices import logical_device_names
+from tfmulti.platform.runtime.devices import logical_device_names
 
 STEPS = 3
 BATCH_SIZE = 32

@@ -9,7 +9,7 @@ import tensorflow as tf
 from pipeline_runtime_models import Chain, dense_stages, regression_batches, two_tensor_stages
 
 from tfmulti.pipeline.runtime import PipelineModel
-from tfmulti.platform.devices import logical_device_names
+from tfmulti.platform.runtime.devices import logical_device_names
 
 NUM_DEVICES = 4
 CALL_OPS = ("StatefulPartitionedCall", "PartitionedCall")

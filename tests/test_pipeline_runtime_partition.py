@@ -8,7 +8,7 @@ import pytest
 
 from tfmulti.models import build_blocks, build_model
 from tfmulti.pipeline.runtime import PipelineModel, partition_blocks, stages_from_blocks
-from tfmulti.platform.devices import logical_device_names
+from tfmulti.platform.runtime.devices import logical_device_names
 
 VOCAB, SEQUENCE = 32, 8
 TRANSFORMER = dict(num_layers=2, num_heads=2, d_model=16)

@@ -14,7 +14,7 @@ from tfmulti.pipeline.runtime import (
     order_deviations,
     peak_stashed_activations,
 )
-from tfmulti.platform.devices import logical_device_names
+from tfmulti.platform.runtime.devices import logical_device_names
 
 
 def _traced_model(schedule, num_devices, num_microbatches, chunks=1):

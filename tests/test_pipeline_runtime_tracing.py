@@ -13,7 +13,7 @@ import tensorflow as tf
 from pipeline_runtime_models import FEATURES, OUTPUTS, Chain, regression_batches
 
 from tfmulti.pipeline.runtime import PipelineModel
-from tfmulti.platform.devices import logical_device_names
+from tfmulti.platform.runtime.devices import logical_device_names
 
 NUM_DEVICES = 2
 BATCH_SIZE = 16

@@ -25,9 +25,9 @@ from tfmulti.pipeline.runtime.microbatches import (
     split_padded_microbatches,
     trim_microbatches,
 )
-from tfmulti.platform.cluster import resolve_cluster
-from tfmulti.platform.devices import logical_device_names
 from tfmulti.platform.mesh import parse_mesh
+from tfmulti.platform.runtime.cluster import resolve_cluster
+from tfmulti.platform.runtime.devices import logical_device_names
 from tfmulti.strategies import check_batch_splits
 
 ROWS = 100

@@ -17,8 +17,8 @@ from pipeline_runtime_models import (
 from tfmulti.hybrid import HybridPipelineModel, build_hybrid_model
 from tfmulti.models import registry
 from tfmulti.pipeline.runtime import PipelineModel
-from tfmulti.platform.devices import logical_device_names
 from tfmulti.platform.mesh import parse_mesh
+from tfmulti.platform.runtime.devices import logical_device_names
 
 STEPS = 3
 BATCH_SIZE = 32

@@ -35,7 +35,7 @@ from script_runner import (
 
 from tfmulti.config import TrainConfig
 from tfmulti.errors import Preempted
-from tfmulti.platform.network_isolation import IsolationUnavailable, PrivateNetwork
+from tfmulti.platform.launching.network_isolation import IsolationUnavailable, PrivateNetwork
 
 PAGE = os.path.join(REPO_ROOT, "docs", "guide", "ray.md")
 # docs/guide/ray.md's run: tests/script_runner.py's TWO_EPOCHS, as TrainConfig keys.

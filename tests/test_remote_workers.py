@@ -35,21 +35,21 @@ from test_elastic_training import assert_ends_like, launch_elastic, one_device_r
 from test_pipeline_across_workers import PIPELINE, one_device_two_epochs_dir
 
 from tfmulti.names import PREEMPTED_EXIT_CODE
-from tfmulti.platform import worker_guard
-from tfmulti.platform.launcher import (
+from tfmulti.platform.launching import worker_guard
+from tfmulti.platform.launching.launcher import (
     LaunchError,
     worker_environments,
     worker_process,
     worker_variables,
 )
-from tfmulti.platform.remote_shell import (
+from tfmulti.platform.launching.remote_shell import (
     RemoteShell,
     RemoteShellError,
     remote_command_line,
     remote_python,
 )
-from tfmulti.platform.worker_group import WorkerExit
-from tfmulti.platform.worker_places import WorkerPlace, slot_places
+from tfmulti.platform.launching.worker_group import WorkerExit
+from tfmulti.platform.launching.worker_places import WorkerPlace, slot_places
 
 STAND_IN = f"{sys.executable} {worker_program('stand_in_remote_shell')}"
 SHELL = RemoteShell.parse(STAND_IN)
@@ -98,7 +98,7 @@ def test_the_guard_runs_the_workers_own_python_or_python3():
 
 def start_guard(program: str, grace_seconds: float = 30) -> subprocess.Popen:
     """`worker_guard` over a Python worker `program`, its input a pipe the test holds."""
-    command = [sys.executable, "-m", "tfmulti.platform.worker_guard"]
+    command = [sys.executable, "-m", "tfmulti.platform.launching.worker_guard"]
     return subprocess.Popen(
         [*command, f"--grace_seconds={grace_seconds}", "--", sys.executable, "-c", program],
         stdin=subprocess.PIPE,
@@ -351,7 +351,7 @@ def test_the_guard_makes_the_scratch_directory_and_leaves_it_to_the_hosts_other_
             [
                 sys.executable,
                 "-m",
-                "tfmulti.platform.worker_guard",
+                "tfmulti.platform.launching.worker_guard",
                 "--",
                 sys.executable,
                 "-c",

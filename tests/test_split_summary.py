@@ -11,7 +11,7 @@ from tfmulti.pipeline.runtime import PipelineModel, stages_from_blocks
 from tfmulti.pipeline.schedules import build_schedule
 from tfmulti.pipeline.stages.block_partition import BlockStage
 from tfmulti.pipeline.stages.split_summary import predicted_bubble, split_summary
-from tfmulti.platform.devices import logical_device_names
+from tfmulti.platform.runtime.devices import logical_device_names
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -24,8 +24,8 @@ from script_runner import (
 from tfmulti.hybrid import HybridPipelineModel
 from tfmulti.pipeline.runtime import PipelineModel, pipeline_model
 from tfmulti.pipeline.stages import python_calls
-from tfmulti.platform.devices import logical_device_names, on_another_worker
-from tfmulti.platform.variable_moves import same_device
+from tfmulti.platform.runtime.devices import logical_device_names, on_another_worker
+from tfmulti.platform.runtime.variable_moves import same_device
 
 GROUPED_CONVNET = (
     "--model=user_applications:grouped_convnet",

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmulti.platform.distribute_strategy import get_strategy, per_replica_batch_size
+from tfmulti.platform.runtime.distribute_strategy import get_strategy, per_replica_batch_size
 
 GLOBAL_BATCH = 32
 STEPS = 6

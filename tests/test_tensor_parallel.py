@@ -18,8 +18,8 @@ from tfmulti.parallel import (
     resolve_shard_devices,
     unsplit_weights,
 )
-from tfmulti.platform.devices import logical_device_names
-from tfmulti.platform.optimizer_devices import place_optimizer_on_variable_devices
+from tfmulti.platform.runtime.devices import logical_device_names
+from tfmulti.platform.runtime.optimizer_devices import place_optimizer_on_variable_devices
 from tfmulti.tensor_parallel.shard_devices import device_key
 
 BATCH, LENGTH, WIDTH, VOCAB = 2, 6, 8, 16

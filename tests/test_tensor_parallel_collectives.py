@@ -21,9 +21,9 @@ from tfmulti.parallel import (
     tensor_reduction_scope,
     unsplit_weights,
 )
-from tfmulti.platform.devices import logical_device_names
 from tfmulti.platform.mesh import parse_mesh
-from tfmulti.platform.optimizer_devices import place_optimizer_on_variable_devices
+from tfmulti.platform.runtime.devices import logical_device_names
+from tfmulti.platform.runtime.optimizer_devices import place_optimizer_on_variable_devices
 from tfmulti.tensor_parallel.shard_devices import device_key
 from tfmulti.tensor_parallel.transfer_bytes import (
     all_reduce_bytes,

@@ -6,7 +6,7 @@ import os
 import pytest
 from script_runner import last_line, run_script
 
-from tfmulti.platform.tf_startup import STARTUP_NOISE, stderr_without
+from tfmulti.platform.runtime.tf_startup import STARTUP_NOISE, stderr_without
 
 NOTICES = ("cuInit", "Could not find cuda drivers", "absl::InitializeLog")
 TINY_RUN = (

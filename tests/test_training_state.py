@@ -6,7 +6,7 @@ import numpy as np
 from pipeline_graph_models import regression_data, skip_model
 
 from tfmulti.pipeline.runtime import PipelineModel
-from tfmulti.platform.devices import first_logical_devices
+from tfmulti.platform.runtime.devices import first_logical_devices
 from tfmulti.run.step_checkpoint import ResumePoint, restore
 from tfmulti.run.training_state import save_training_state
 

@@ -10,7 +10,7 @@ from pipeline_runtime_models import OUTPUTS, loops_in_step, regression_batches
 
 from tfmulti.pipeline.runtime import PipelineModel
 from tfmulti.pipeline.runtime.unbarriered_loop import while_loop_without_barrier
-from tfmulti.platform.devices import logical_device_names
+from tfmulti.platform.runtime.devices import logical_device_names
 
 
 def _bodies_outputs_waiting(loop) -> tuple[int, int]:

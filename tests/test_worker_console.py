@@ -4,8 +4,8 @@ import keras
 import pytest
 from absl import logging
 
-from tfmulti.platform.cluster import resolve_cluster
-from tfmulti.platform.worker_console import quiet_unless_chief
+from tfmulti.platform.runtime.cluster import resolve_cluster
+from tfmulti.platform.runtime.worker_console import quiet_unless_chief
 
 HOSTS = ["127.0.0.1:2222", "127.0.0.1:2223"]
 

@@ -11,7 +11,7 @@ from pipeline_runtime_models import FEATURES, dense_stages, regression_batches
 from tfmulti.hybrid import HybridPipelineModel, build_hybrid_model_from_model
 from tfmulti.pipeline.runtime import PipelineModel
 from tfmulti.placement.placed_model import place
-from tfmulti.platform.devices import first_logical_devices, logical_device_names
+from tfmulti.platform.runtime.devices import first_logical_devices, logical_device_names
 
 BATCH = 8
 

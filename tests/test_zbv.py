@@ -33,8 +33,8 @@ from script_runner import TWO_EPOCHS, assert_same_training, read_metrics, run_sc
 from tfmulti.hybrid import HybridPipelineModel
 from tfmulti.pipeline import CostModel, build_schedule, simulate, validate_schedule
 from tfmulti.pipeline.runtime import PipelineModel
-from tfmulti.platform.devices import logical_device_names
 from tfmulti.platform.mesh import parse_mesh
+from tfmulti.platform.runtime.devices import logical_device_names
 
 
 @functools.cache

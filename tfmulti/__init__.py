@@ -22,9 +22,9 @@ def _hook_keras_distribution() -> None:
 install_when_keras_loads(then=_hook_keras_distribution)
 
 _LAZY_EXPORTS = {
-    "configure_logical_devices": "tfmulti.platform.devices",
-    "get_strategy": "tfmulti.platform.distribute_strategy",
-    "per_replica_batch_size": "tfmulti.platform.distribute_strategy",
+    "configure_logical_devices": "tfmulti.platform.runtime.devices",
+    "get_strategy": "tfmulti.platform.runtime.distribute_strategy",
+    "per_replica_batch_size": "tfmulti.platform.runtime.distribute_strategy",
     "TrainConfig": "tfmulti.config",
     "train": "tfmulti.run.training",
     "TrainingError": "tfmulti.errors",

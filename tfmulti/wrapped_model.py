@@ -16,7 +16,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from tfmulti.platform.optimizer_devices import place_optimizer_on_variable_devices
+from tfmulti.platform.runtime.optimizer_devices import place_optimizer_on_variable_devices
 
 
 class WrappedModel:

@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tensorflow as tf  # noqa: E402
 
-from tfmulti.platform import cluster as cluster_lib  # noqa: E402
-from tfmulti.platform.devices import configure_logical_devices  # noqa: E402
+from tfmulti.platform.runtime import cluster as cluster_lib  # noqa: E402
+from tfmulti.platform.runtime.devices import configure_logical_devices  # noqa: E402
 
 GLOBAL_BATCH = 16
 STEPS = 3

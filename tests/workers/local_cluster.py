@@ -5,7 +5,7 @@ import signal
 import subprocess
 import sys
 
-from tfmulti.platform.launcher import worker_environments
+from tfmulti.platform.launching.launcher import worker_environments
 
 WORKERS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(os.path.dirname(WORKERS_DIR))

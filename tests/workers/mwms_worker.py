@@ -19,8 +19,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfmulti.compat import keras_multi_worker, tf_profiler, worker_paths  # noqa: E402
-from tfmulti.platform import cluster as cluster_lib  # noqa: E402
-from tfmulti.platform import input_sharding  # noqa: E402
+from tfmulti.platform.runtime import cluster as cluster_lib  # noqa: E402
+from tfmulti.platform.runtime import input_sharding  # noqa: E402
 from tfmulti.run.profiling import ProfileSteps  # noqa: E402
 
 GLOBAL_BATCH = 16

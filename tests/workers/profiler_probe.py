@@ -20,8 +20,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tfmulti.platform import cluster as cluster_lib  # noqa: E402
-from tfmulti.platform import input_sharding  # noqa: E402
+from tfmulti.platform.runtime import cluster as cluster_lib  # noqa: E402
+from tfmulti.platform.runtime import input_sharding  # noqa: E402
 
 STEPS_PER_WINDOW = 2
 

@@ -19,7 +19,7 @@ from absl import app, flags
 from tfmulti.config import DistributionConfig
 from tfmulti.flags.parsing import parse_flags_or_exit
 from tfmulti.names import HYBRID_STRATEGY_NAME, STAGED_STRATEGY_NAMES
-from tfmulti.platform import launcher, membership, network_isolation
+from tfmulti.platform.launching import launcher, membership, network_isolation
 from tfmulti.platform.mesh import MeshError, parse_mesh, resolve_data_axis
 
 FLAGS = flags.FLAGS

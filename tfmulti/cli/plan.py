@@ -328,10 +328,10 @@ def _parse_bytes(text: str) -> float | None:
 
 def _start_tensorflow() -> None:
     """Starts TensorFlow with one host's logical devices (two at least, for the benchmarks)."""
-    from tfmulti.platform.tf_startup import start_tensorflow
+    from tfmulti.platform.runtime.tf_startup import start_tensorflow
 
     start_tensorflow(FLAGS.tf_log_level)
-    from tfmulti.platform.devices import configure_logical_devices
+    from tfmulti.platform.runtime.devices import configure_logical_devices
 
     configure_logical_devices(max(_devices_per_host(), 2))
 
@@ -348,7 +348,7 @@ def _machine_costs():
 
 def _plan_devices() -> list[str]:
     """The logical devices of one host the benchmarks run on (two at least)."""
-    from tfmulti.platform.devices import logical_device_names
+    from tfmulti.platform.runtime.devices import logical_device_names
 
     return logical_device_names()[: max(_devices_per_host(), 2)]
 

@@ -25,17 +25,17 @@ define_worker_console_flags()
 
 def _train(argv: list[str]) -> None:
     del argv
-    from tfmulti.platform.tf_startup import start_tensorflow
+    from tfmulti.platform.runtime.tf_startup import start_tensorflow
 
     # Before anything imports TensorFlow, so its start-up notices stay off the console.
     start_tensorflow(FLAGS.tf_log_level)
     if FLAGS.virtual_devices:
-        from tfmulti.platform.devices import configure_logical_devices
+        from tfmulti.platform.runtime.devices import configure_logical_devices
 
         configure_logical_devices(FLAGS.virtual_devices)
     from tfmulti.collectives.collective_all_reduce import set_collective_timeout
     from tfmulti.collectives.tensor_reduction import set_tensor_reduction
-    from tfmulti.platform.worker_console import quiet_unless_chief
+    from tfmulti.platform.runtime.worker_console import quiet_unless_chief
     from tfmulti.run.training import NOTHING_LEFT_TO_TRAIN, SERVED_CHIEF
     from tfmulti.strategies import get_training_strategy
 
@@ -67,7 +67,7 @@ def _train_or_report_timeout(config):
     try:
         return train(config)
     except tf.errors.UnavailableError as error:
-        from tfmulti.platform.connected_cluster import lost_worker_message
+        from tfmulti.platform.runtime.connected_cluster import lost_worker_message
 
         raise TrainingError(lost_worker_message(str(error))) from None
     except tf.errors.DeadlineExceededError:

@@ -31,7 +31,7 @@ import tensorflow as tf
 from tfmulti.collectives.key_ranges import TENSOR_GROUP_KEYS_START
 from tfmulti.collectives.multi_device_op import multi_device_op, zeros_where_missing
 from tfmulti.compat import tf_internals
-from tfmulti.platform.devices import canonical_device_name, device_key
+from tfmulti.platform.runtime.devices import canonical_device_name, device_key
 
 _KEY_BASE = TENSOR_GROUP_KEYS_START
 _GROUPS_PER_TASK_BITS = 12

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from tfmulti.collectives.key_ranges import WORKER_SUM_KEYS
 from tfmulti.compat import tf_internals
-from tfmulti.platform.cluster import COMMUNICATIONS
+from tfmulti.platform.runtime.cluster import COMMUNICATIONS
 
 _DEVICE_TYPE_OFFSET = {"CPU": 0, "GPU": 1 << 16}
 
@@ -34,7 +34,8 @@ class WorkerCollectives:
     """Sums tensors over all workers, each on its own local device.
 
     Needs the collective runtime: build it first with
-    `tfmulti.platform.cluster.build_multi_worker_strategy` (before any other TensorFlow work).
+    `tfmulti.platform.runtime.cluster.build_multi_worker_strategy` (before any other
+    TensorFlow work).
 
     Args:
         num_workers: workers in the cluster.

@@ -116,11 +116,11 @@ def _slots_on_variable_device(original: Callable) -> Callable:
         if not getattr(reference_variable, _STATE_BESIDE, False) or tf.distribute.has_strategy():
             return original(self, reference_variable, *args, **kwargs)
         # Imported here: it imports Keras, whose import runs this module's `apply_patches`.
-        from tfmulti.platform.optimizer_devices import beside
+        from tfmulti.compat.keras_internals import variable_device
 
         # Optimizers build inside the first traced step; the variable is then lifted out of
         # the graph, and the colocation upstream asks for is lost with it.
-        with beside(reference_variable):
+        with tf.device(variable_device(reference_variable)):
             return original(self, reference_variable, *args, **kwargs)
 
     return add_variable_from_reference

@@ -87,6 +87,17 @@ def variable_storage(variable):
     return storage if isinstance(storage, tf.Variable) else None
 
 
+def variable_device(variable) -> str:
+    """The device that holds `variable`'s storage (a Keras or a TensorFlow variable).
+
+    Not `variable.value.device`: under a mixed-precision policy, reading `value` inside a
+    layer's call gives a float16 copy made on the current device, and a Keras variable's
+    `handle` goes through the same autocast.
+    """
+    storage = variable_storage(variable)
+    return storage.device if storage is not None else variable.device
+
+
 def reinitialize_variable(variable: keras.Variable, value) -> None:
     """Re-creates the `tf.Variable` behind `variable` from `value` (`Variable._initialize`),
     under the caller's device scope; the Keras variable stays the same object."""

@@ -11,7 +11,7 @@ import tensorflow as tf
 from tfmulti.data.info import ArrayData, DataInfo
 from tfmulti.data.sources import load_source
 from tfmulti.data.tfrecord import RecordData
-from tfmulti.platform.input_sharding import apply_shard_policy
+from tfmulti.platform.runtime.input_sharding import apply_shard_policy
 
 # Records are streamed, so their shuffle holds at most this many at a time.
 _RECORD_SHUFFLE_BUFFER = 10_000
@@ -67,7 +67,7 @@ def make_datasets(
         steps_per_epoch: steps per epoch; None means one pass over the training split.
         start_step: steps already trained; the stream starts where they left off.
         shard_policy: tf.data auto-shard policy for multi-worker strategies:
-            "auto", "file", "data" or "off" (see `tfmulti.platform.input_sharding`).
+            "auto", "file", "data" or "off" (see `tfmulti.platform.runtime.input_sharding`).
 
     Example:
         >>> data = make_datasets("digits", global_batch_size=64, seed=1)

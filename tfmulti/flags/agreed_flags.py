@@ -1,8 +1,8 @@
 """The flags every worker of a chief-driven run must hold alike, read from the command line.
 
-When the chief drives every worker's devices (`tfmulti.platform.connected_cluster`), a
+When the chief drives every worker's devices (`tfmulti.platform.runtime.connected_cluster`), a
 serving worker's flags choose nothing, so a worker started with other flags than the
-chief's is a launch gone wrong; `tfmulti.platform.cluster_agreement` compares what this
+chief's is a launch gone wrong; `tfmulti.platform.runtime.cluster_agreement` compares what this
 module collects. Library code never reads flags: scripts pass these values on, through
 `TrainConfig.cluster.agreed_flags` (`training_flags.config_from_flags`) or directly.
 

@@ -12,7 +12,7 @@ from absl import app, flags
 
 from tfmulti.errors import Terminated
 from tfmulti.flags.help import install_help_flags
-from tfmulti.platform.sigterm import sigterm_raises_terminated
+from tfmulti.platform.launching.sigterm import sigterm_raises_terminated
 
 
 def parse_flags_or_exit(

@@ -29,7 +29,7 @@ from tfmulti.names import (
     TRAIN_STRATEGY_NAMES,
 )
 from tfmulti.pipeline.schedules import SCHEDULE_NAMES, chunks_fit_schedule
-from tfmulti.platform.launcher import VIRTUAL_DEVICES_ENV
+from tfmulti.platform.launching.launcher import VIRTUAL_DEVICES_ENV
 from tfmulti.user_code import is_function_reference
 
 FLAGS = flags.FLAGS

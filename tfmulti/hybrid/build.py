@@ -15,10 +15,10 @@ from tfmulti.costing.cost_cache import CostCache
 from tfmulti.hybrid.hybrid_model import HybridPipelineModel
 from tfmulti.pipeline.runtime.pipeline_model import PipelineModel
 from tfmulti.pipeline.stages.block_partition import partition_blocks, stages_from_blocks
-from tfmulti.platform.cluster import ClusterInfo
-from tfmulti.platform.connected_cluster import mesh_groups_across_workers
-from tfmulti.platform.devices import logical_device_names
 from tfmulti.platform.mesh import HybridMesh, MeshError, parse_mesh
+from tfmulti.platform.runtime.cluster import ClusterInfo
+from tfmulti.platform.runtime.connected_cluster import mesh_groups_across_workers
+from tfmulti.platform.runtime.devices import logical_device_names
 
 # The mesh axes that may be laid across workers (`--cross_host_axis`).
 CROSS_HOST_AXES = ("data", "pipe")
@@ -61,11 +61,11 @@ def build_hybrid_model(
     and with tensor > 1 each stage's layers split over its group of tensor devices.
 
     Across workers, the data axis or the pipe axis crosses the hosts (`cross_host_axis`).
-    With "data", build `tfmulti.platform.cluster.build_multi_worker_strategy(cluster, ...)`
+    With "data", build `tfmulti.platform.runtime.cluster.build_multi_worker_strategy(cluster, ...)`
     first (before any other TensorFlow work): it starts the collective runtime the gradient
     sums use, and each worker runs data / num_workers replicas on its own devices. With
     "pipe", the chief alone builds the model after
-    `tfmulti.platform.connected_cluster.connect_to_workers(cluster)`: every replica's stages
+    `tfmulti.platform.runtime.connected_cluster.connect_to_workers(cluster)`: every replica's stages
     go over the workers' devices (`mesh_groups_across_workers`), in one program.
 
     Args:

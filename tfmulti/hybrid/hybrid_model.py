@@ -9,6 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmulti.collectives.worker_sums import WorkerCollectives
+from tfmulti.compat.keras_internals import variable_device
 from tfmulti.compat.keras_whole_weights import variables_holding
 from tfmulti.hybrid.shared_schedule import SharedForward, SharedSchedule
 from tfmulti.pipeline.actions import Schedule
@@ -24,7 +25,6 @@ from tfmulti.pipeline.runtime.microbatches import (
 from tfmulti.pipeline.runtime.pipeline_model import PipelineModel
 from tfmulti.pipeline.runtime.scheduled_step import ScheduledStep, ScheduledTrainStep
 from tfmulti.pipeline.stages.split_summary import placement_table
-from tfmulti.platform.devices import variable_device
 from tfmulti.wrapped_model import WrappedModel
 
 

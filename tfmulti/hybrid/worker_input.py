@@ -9,7 +9,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfmulti.pipeline.runtime.microbatches import batch_rows, even_sizes
-from tfmulti.platform.cluster import ClusterInfo
+from tfmulti.platform.runtime.cluster import ClusterInfo
 
 
 def worker_rows(dataset: tf.data.Dataset, cluster: ClusterInfo) -> tf.data.Dataset:

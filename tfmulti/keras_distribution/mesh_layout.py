@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tfmulti.platform.devices import short_device_name
+from tfmulti.platform.runtime.devices import short_device_name
 
 
 class LayoutNotHonouredWarning(UserWarning):

@@ -24,7 +24,7 @@ from tfmulti.keras_distribution.layer_sharding import shard_layer
 from tfmulti.keras_distribution.mesh_layout import check_model_axes, mesh_device_names
 from tfmulti.keras_distribution.mesh_rows import MeshRows, mark_mesh_rows
 from tfmulti.keras_distribution.row_split_steps import split_step_over_rows
-from tfmulti.platform.distribute_strategy import cross_device_ops
+from tfmulti.platform.runtime.distribute_strategy import cross_device_ops
 
 _STRATEGIES: dict[int, tuple] = {}
 # The strategy set globally for the current DataParallel distribution, if any.

@@ -7,8 +7,8 @@ import collections
 import keras
 import numpy as np
 
+from tfmulti.compat.keras_internals import variable_device
 from tfmulti.keras_distribution.mesh_layout import tensorflow_device_name
-from tfmulti.platform.devices import variable_device
 
 PARTS = ("model", "optimizer", "all")
 

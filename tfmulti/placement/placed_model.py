@@ -30,8 +30,8 @@ from tfmulti.placement.device_map import (
 )
 from tfmulti.placement.summary import LayerPlacement, PlacementSummary
 from tfmulti.placement.units import graph_units, unit_blocks
-from tfmulti.platform.devices import logical_device_names
-from tfmulti.platform.variable_moves import move_variable
+from tfmulti.platform.runtime.devices import logical_device_names
+from tfmulti.platform.runtime.variable_moves import move_variable
 from tfmulti.wrapped_model import WrappedModel
 
 # Each unit runs in a name scope carrying its device index; TensorFlow names a gradient op

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tfmulti.platform.devices import short_device_name
+from tfmulti.platform.runtime.devices import short_device_name
 
 _KIB = 1024.0
 

@@ -37,7 +37,7 @@ from tfmulti.costing.cost_cache import CostCache
 from tfmulti.pipeline.schedules import build_schedule
 from tfmulti.planner.machine import MachineCosts
 from tfmulti.planner.scoring import NO_PIPELINE, executed_actions
-from tfmulti.platform.quiet_logs import warnings_only
+from tfmulti.platform.runtime.quiet_logs import warnings_only
 
 _STEPS = 16
 _WARMUP_STEPS = 4
@@ -266,7 +266,7 @@ def _keras_step_seconds(devices: list[str], spreads: list[float]) -> list[float]
     if len(devices) == 1:
         strategy = tf.distribute.OneDeviceStrategy(devices[0])
     else:
-        from tfmulti.platform.distribute_strategy import cross_device_ops
+        from tfmulti.platform.runtime.distribute_strategy import cross_device_ops
 
         kind = tf.config.list_logical_devices()[0].device_type
         strategy = tf.distribute.MirroredStrategy(
@@ -374,7 +374,7 @@ def _allreduce_costs(devices: list[str], spreads: list[float]) -> tuple[float, f
     """(latency, bytes per second) of an all-reduce over `devices`, from two sizes."""
     if len(devices) < 2:
         return 0.0, 10e9
-    from tfmulti.platform.distribute_strategy import cross_device_ops
+    from tfmulti.platform.runtime.distribute_strategy import cross_device_ops
 
     kind = tf.config.list_logical_devices()[0].device_type
     strategy = tf.distribute.MirroredStrategy(

@@ -77,7 +77,7 @@ def train_loop(loop_config: dict) -> None:
     # Ray sets this for tf.keras 2; tfmulti trains Keras 3.
     os.environ.pop("TF_USE_LEGACY_KERAS", None)
     if loop_config.get("devices_per_worker"):
-        from tfmulti.platform.devices import configure_logical_devices
+        from tfmulti.platform.runtime.devices import configure_logical_devices
 
         configure_logical_devices(loop_config["devices_per_worker"])
     from tfmulti.ray.reporting import ReportToRay, as_numbers, report

@@ -22,8 +22,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfmulti.compat.keras_internals import variable_storage
-from tfmulti.platform.allocator_peaks import local_peaks
-from tfmulti.platform.devices import full_device_name
+from tfmulti.platform.runtime.allocator_peaks import local_peaks
+from tfmulti.platform.runtime.devices import full_device_name
 
 
 def storage_variables(variables: Iterable) -> list[tf.Variable]:
@@ -98,7 +98,7 @@ def job_memory(
     if cluster is None:
         return memory_section(model, list(peaks), peaks)
     if chief_drives:
-        from tfmulti.platform.connected_cluster import posted_worker_peaks
+        from tfmulti.platform.runtime.connected_cluster import posted_worker_peaks
 
         peaks.update(posted_worker_peaks())
         return memory_section(model, list(peaks), peaks)

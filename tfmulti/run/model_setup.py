@@ -16,7 +16,7 @@ from absl import logging
 from tfmulti.compat import keras_internals
 from tfmulti.config import TrainConfig
 from tfmulti.data import DataInfo
-from tfmulti.platform.cluster import ClusterInfo
+from tfmulti.platform.runtime.cluster import ClusterInfo
 from tfmulti.run.lr_schedules import describe_learning_rate, learning_rate_schedule
 from tfmulti.strategies import (
     BuildContext,

@@ -30,8 +30,8 @@ import tensorflow as tf
 from absl import logging
 
 from tfmulti.errors import Preempted, Terminated
-from tfmulti.platform.connected_cluster import serving_worker_got_sigterm
-from tfmulti.platform.sigterm import on_main_thread
+from tfmulti.platform.launching.sigterm import on_main_thread
+from tfmulti.platform.runtime.connected_cluster import serving_worker_got_sigterm
 from tfmulti.run.step_checkpoint import StepCheckpoint
 
 _preemption_requested = threading.Event()

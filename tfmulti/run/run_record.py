@@ -30,8 +30,8 @@ import keras
 from absl import logging
 
 from tfmulti.files import write_json_atomically
-from tfmulti.platform.membership import MEMBERSHIP_VARIABLE
-from tfmulti.platform.process_age import process_age_seconds
+from tfmulti.platform.launching.membership import MEMBERSHIP_VARIABLE
+from tfmulti.platform.launching.process_age import process_age_seconds
 
 METRICS_FILE = "metrics.json"
 

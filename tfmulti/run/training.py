@@ -19,9 +19,9 @@ from tfmulti.errors import IncompatibleCheckpoint, Preempted, TrainingError
 from tfmulti.models import registry
 from tfmulti.names import RESTART_COUNT_VARIABLE, SLURM_RESTART_COUNT_VARIABLE
 from tfmulti.pipeline.stages.split_summary import split_summary
-from tfmulti.platform.cluster import ClusterInfo, worker_output_dir
-from tfmulti.platform.distribute_strategy import per_replica_batch_size
-from tfmulti.platform.input_sharding import check_file_sharding
+from tfmulti.platform.runtime.cluster import ClusterInfo, worker_output_dir
+from tfmulti.platform.runtime.distribute_strategy import per_replica_batch_size
+from tfmulti.platform.runtime.input_sharding import check_file_sharding
 from tfmulti.run.callbacks import StopOnNonFiniteLoss, ThroughputLogger
 from tfmulti.run.device_memory import job_memory
 from tfmulti.run.epoch_checkpoint import EpochCheckpoint, latest_checkpoint
@@ -258,7 +258,7 @@ def train(config: TrainConfig, callbacks: Sequence[keras.callbacks.Callback] = (
     )
     cluster = training_strategy.resolve_cluster(config)
     if training_strategy.serves_chief(cluster):
-        from tfmulti.platform.connected_cluster import serve_chief
+        from tfmulti.platform.runtime.connected_cluster import serve_chief
 
         serve_chief(cluster, config.cluster.connect_timeout, config.cluster.agreed_flags)
         return {SERVED_CHIEF: True}

@@ -10,14 +10,14 @@ import numpy as np
 import tensorflow as tf
 
 from tfmulti.config import TrainConfig
-from tfmulti.platform.cluster import (
+from tfmulti.platform.runtime.cluster import (
     ClusterError,
     ClusterInfo,
     resolve_cluster,
     resolve_cluster_if_described,
 )
-from tfmulti.platform.connected_cluster import connect_to_workers
-from tfmulti.platform.optimizer_devices import place_optimizer_on_variable_devices
+from tfmulti.platform.runtime.connected_cluster import connect_to_workers
+from tfmulti.platform.runtime.optimizer_devices import place_optimizer_on_variable_devices
 from tfmulti.strategies.model_source import ModelSource
 
 
@@ -73,7 +73,7 @@ class TrainingStrategy:
         return None
 
     # True when, across workers, only the chief trains and the others lend it their
-    # devices (`tfmulti.platform.connected_cluster.serve_chief`, which `train` calls there).
+    # devices (`tfmulti.platform.runtime.connected_cluster.serve_chief`, which `train` calls there).
     chief_drives_workers = False
 
     def serves_chief(self, cluster: ClusterInfo | None) -> bool:
@@ -131,7 +131,7 @@ class DevicePlacingStrategy(TrainingStrategy):
 
 class ChiefDrivenStrategy(TrainingStrategy):
     """A way that, across workers, has the chief drive every worker's devices as its own
-    (`tfmulti.platform.connected_cluster`); the other workers serve it."""
+    (`tfmulti.platform.runtime.connected_cluster`); the other workers serve it."""
 
     chief_drives_workers = True
 

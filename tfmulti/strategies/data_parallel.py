@@ -8,8 +8,12 @@ import keras
 import tensorflow as tf
 
 from tfmulti.config import TrainConfig
-from tfmulti.platform.cluster import ClusterInfo, build_multi_worker_strategy, resolve_cluster
-from tfmulti.platform.distribute_strategy import get_strategy
+from tfmulti.platform.runtime.cluster import (
+    ClusterInfo,
+    build_multi_worker_strategy,
+    resolve_cluster,
+)
+from tfmulti.platform.runtime.distribute_strategy import get_strategy
 from tfmulti.strategies.base import BuildContext, TrainingStrategy
 from tfmulti.strategies.model_source import ModelSource
 

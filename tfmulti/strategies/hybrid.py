@@ -7,13 +7,13 @@ import tensorflow as tf
 
 from tfmulti.compat import worker_paths
 from tfmulti.config import TrainConfig
-from tfmulti.platform.cluster import (
+from tfmulti.platform.mesh import HybridMesh, parse_mesh, resolve_data_axis
+from tfmulti.platform.runtime.cluster import (
     ClusterInfo,
     build_multi_worker_strategy,
     resolve_cluster_if_described,
 )
-from tfmulti.platform.connected_cluster import connect_to_workers
-from tfmulti.platform.mesh import HybridMesh, parse_mesh, resolve_data_axis
+from tfmulti.platform.runtime.connected_cluster import connect_to_workers
 from tfmulti.strategies.base import BuildContext, TrainingStrategy, check_batch_splits
 from tfmulti.strategies.model_source import ModelSource
 from tfmulti.strategies.pipeline import (
@@ -81,7 +81,7 @@ class Hybrid(TrainingStrategy):
         """`--mesh`, with `data=auto` filled by the replicas the run's devices hold: every
         worker's (an elastic job's mesh follows the workers it has)."""
         from tfmulti.hybrid.build import local_device_names
-        from tfmulti.platform.devices import logical_device_names
+        from tfmulti.platform.runtime.devices import logical_device_names
 
         text = config.distribution.mesh
         if resolve_data_axis(text, None) == text:

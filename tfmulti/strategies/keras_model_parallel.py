@@ -15,8 +15,8 @@ from absl import logging
 from tfmulti.config import TrainConfig
 from tfmulti.keras_distribution.layer_sharding import sharded_views
 from tfmulti.parallel import variable_bytes_per_device
-from tfmulti.platform.devices import first_logical_devices, logical_device_names
 from tfmulti.platform.mesh import parse_mesh
+from tfmulti.platform.runtime.devices import first_logical_devices, logical_device_names
 from tfmulti.strategies.base import BuildContext, DevicePlacingStrategy
 from tfmulti.strategies.model_source import ModelSource
 from tfmulti.user_code import load_function

@@ -11,9 +11,9 @@ from absl import logging
 from tfmulti.config import TrainConfig
 from tfmulti.pipeline.actions import Schedule
 from tfmulti.pipeline.stages.split_summary import MEASURED_SECONDS_ATTRIBUTE, MeasuredStageSeconds
-from tfmulti.platform.cluster import ClusterInfo
-from tfmulti.platform.connected_cluster import devices_across_workers
-from tfmulti.platform.devices import first_logical_devices
+from tfmulti.platform.runtime.cluster import ClusterInfo
+from tfmulti.platform.runtime.connected_cluster import devices_across_workers
+from tfmulti.platform.runtime.devices import first_logical_devices
 from tfmulti.strategies.base import (
     BuildContext,
     ChiefDrivenStrategy,

@@ -6,7 +6,7 @@ import keras
 from absl import logging
 
 from tfmulti.config import TrainConfig
-from tfmulti.platform.devices import first_logical_devices
+from tfmulti.platform.runtime.devices import first_logical_devices
 from tfmulti.strategies.base import BuildContext, DevicePlacingStrategy
 from tfmulti.strategies.model_source import ModelSource
 from tfmulti.strategies.pipeline import kept_costs

@@ -15,9 +15,13 @@ import keras
 import tensorflow as tf
 
 from tfmulti.config import TrainConfig
-from tfmulti.platform.cluster import ClusterInfo
-from tfmulti.platform.connected_cluster import devices_across_workers
-from tfmulti.platform.devices import accelerator_type, first_logical_devices, logical_device_names
+from tfmulti.platform.runtime.cluster import ClusterInfo
+from tfmulti.platform.runtime.connected_cluster import devices_across_workers
+from tfmulti.platform.runtime.devices import (
+    accelerator_type,
+    first_logical_devices,
+    logical_device_names,
+)
 from tfmulti.strategies.base import (
     BuildContext,
     ChiefDrivenStrategy,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tfmulti.platform.devices import device_key, first_logical_devices, logical_device_names
+from tfmulti.platform.runtime.devices import device_key, first_logical_devices, logical_device_names
 
 
 def resolve_shard_devices(

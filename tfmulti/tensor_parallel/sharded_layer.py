@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tfmulti.collectives.device_compute import run_on_device
 from tfmulti.compat import keras_internals, keras_whole_weights
-from tfmulti.platform.devices import variable_device
+from tfmulti.compat.keras_internals import variable_device
 from tfmulti.tensor_parallel.shard_devices import resolve_shard_devices
 from tfmulti.tensor_parallel.transfer_bytes import CommunicationBytes
 

@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmulti.collectives import ring
-from tfmulti.platform.devices import device_key
+from tfmulti.platform.runtime.devices import device_key
 
 
 @dataclasses.dataclass(frozen=True)

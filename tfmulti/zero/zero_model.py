@@ -32,8 +32,8 @@ from tfmulti.compat.keras_internals import (
     skip_gradient_all_reduce,
     track_loss,
 )
-from tfmulti.platform.devices import logical_device_names
-from tfmulti.platform.optimizer_devices import place_optimizer_on_variable_devices
+from tfmulti.platform.runtime.devices import logical_device_names
+from tfmulti.platform.runtime.optimizer_devices import place_optimizer_on_variable_devices
 from tfmulti.wrapped_model import WrappedModel
 from tfmulti.zero.formulas import check_stage
 from tfmulti.zero.gather_on_read import GatherOnRead, regatherable_layers, regathered_layers

@@ -44,7 +44,7 @@ from tfmulti.pipeline.stages.stage_devices import (
     move_built_stages,
     resolve_devices,
 )
-from tfmulti.platform.devices import on_another_worker
+from tfmulti.platform.runtime.devices import on_another_worker
 from tfmulti.wrapped_model import WrappedModel
 
 

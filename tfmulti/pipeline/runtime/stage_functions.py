@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from tfmulti.compat import tf_internals
+from tfmulti.compat.keras_internals import variable_device
 from tfmulti.compat.keras_whole_weights import variables_holding
 from tfmulti.pipeline.runtime.shared_traces import (
     ReplicaTracedStage,
@@ -25,7 +26,6 @@ from tfmulti.pipeline.runtime.shared_traces import (
     handle_map,
 )
 from tfmulti.pipeline.stages.graph_cut import GraphCut, ops_between
-from tfmulti.platform.devices import variable_device
 
 
 def is_differentiable(tensor) -> bool:

@@ -2,7 +2,7 @@
 
 `tf.py_function` and `tf.numpy_function` run a Python function that only the process
 that traced them holds: on a device the chief drives on another worker
-(`tfmulti.platform.connected_cluster`) the op fails at the first step, deep in TensorFlow
+(`tfmulti.platform.runtime.connected_cluster`) the op fails at the first step, deep in TensorFlow
 ("Could not find callback with key=pyfunc_3 in the registry"). A run checks its stages
 before training and names the layer instead.
 """
@@ -16,7 +16,7 @@ import keras
 import tensorflow as tf
 
 from tfmulti.compat import keras_internals
-from tfmulti.platform.devices import on_another_worker, worker_device_name
+from tfmulti.platform.runtime.devices import on_another_worker, worker_device_name
 
 # The ops of tf.py_function, tf.numpy_function and tf.compat.v1.py_func.
 PYTHON_CALL_OPS = frozenset({"EagerPyFunc", "PyFunc", "PyFuncStateless"})

@@ -16,7 +16,7 @@ import keras
 
 from tfmulti.pipeline.balance import Block
 from tfmulti.pipeline.simulate import CostModel, StageCost, simulate
-from tfmulti.platform.devices import short_device_name, worker_device_name
+from tfmulti.platform.runtime.devices import short_device_name, worker_device_name
 from tfmulti.text_table import format_table
 
 _LISTED_NAMES = 4  # names a log line shows per stage before eliding the middle

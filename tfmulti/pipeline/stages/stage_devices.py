@@ -8,8 +8,8 @@ import keras
 import tensorflow as tf
 
 from tfmulti.compat import keras_internals
-from tfmulti.platform.devices import variable_device
-from tfmulti.platform.variable_moves import move_variable, same_device
+from tfmulti.compat.keras_internals import variable_device
+from tfmulti.platform.runtime.variable_moves import move_variable, same_device
 
 
 def resolve_devices(devices: Sequence[str]) -> list[str]:
@@ -44,7 +44,7 @@ def resolve_devices(devices: Sequence[str]) -> list[str]:
         if key not in available:
             raise ValueError(
                 f"Unknown device {name!r}. Use one of {sorted(available.values())}, or "
-                "make more with tfmulti.platform.devices.configure_logical_devices."
+                "make more with tfmulti.platform.runtime.devices.configure_logical_devices."
             )
         resolved.append(available[key])
     if len(set(resolved)) != len(resolved):

@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import IO, TextIO
 
 from tfmulti.names import PREEMPTED_EXIT_CODE
-from tfmulti.platform.membership import SlotListWatcher
-from tfmulti.platform.network_isolation import PrivateNetwork
-from tfmulti.platform.worker_guard import TERMINATE_LINE, exit_status
+from tfmulti.platform.launching.membership import SlotListWatcher
+from tfmulti.platform.launching.network_isolation import PrivateNetwork
+from tfmulti.platform.launching.worker_guard import TERMINATE_LINE, exit_status
 
 _POLL_SECONDS = 0.05
 # What ssh exits with when it cannot connect or loses the connection.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfmulti.names import ALL_REDUCE_NAMES, STRATEGY_NAMES
-from tfmulti.platform.devices import accelerator_type, logical_device_names
+from tfmulti.platform.runtime.devices import accelerator_type, logical_device_names
 
 
 def cross_device_ops(all_reduce: str, device_type: str) -> tf.distribute.CrossDeviceOps:
@@ -51,9 +51,10 @@ def get_strategy(
         all_reduce: cross-device all-reduce for "mirrored": "auto", "nccl",
             "hierarchical_copy" or "reduce_to_one_device".
         **multi_worker_options: for "multi_worker": `worker_hosts` and `task_index`
-            (else TF_CONFIG or SLURM decide, see `tfmulti.platform.cluster.resolve_cluster`),
+            (else TF_CONFIG or SLURM decide, see
+            `tfmulti.platform.runtime.cluster.resolve_cluster`),
             and `communication`, `timeout_seconds`, `connect_timeout_seconds` for
-            `tfmulti.platform.cluster.build_multi_worker_strategy`.
+            `tfmulti.platform.runtime.cluster.build_multi_worker_strategy`.
 
     Returns:
         A strategy whose `scope()` the model is built and compiled in.
@@ -67,7 +68,7 @@ def get_strategy(
     if name not in STRATEGY_NAMES:
         raise ValueError(f"strategy must be one of {STRATEGY_NAMES}. Received: strategy={name!r}")
     if name == "multi_worker":
-        from tfmulti.platform.cluster import build_multi_worker_strategy, resolve_cluster
+        from tfmulti.platform.runtime.cluster import build_multi_worker_strategy, resolve_cluster
 
         cluster = resolve_cluster(
             multi_worker_options.pop("worker_hosts", None),

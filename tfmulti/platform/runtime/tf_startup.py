@@ -23,7 +23,7 @@ import re
 import sys
 import tempfile
 
-from tfmulti.platform.cpu_allocator import prefer_bfc_cpu_allocator
+from tfmulti.platform.runtime.cpu_allocator import prefer_bfc_cpu_allocator
 
 TF_LOG_LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
 # Set beside TF_LOG_LEVEL_ENV when tfmulti chose the level, so a process started from

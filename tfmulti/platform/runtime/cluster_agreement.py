@@ -34,7 +34,7 @@ import re
 import tempfile
 from collections.abc import Mapping
 
-from tfmulti.platform.cluster import ClusterInfo
+from tfmulti.platform.runtime.cluster import ClusterInfo
 
 CLUSTER_SETTING = "the cluster"
 

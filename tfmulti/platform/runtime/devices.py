@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfmulti.platform.cpu_allocator import prefer_bfc_cpu_allocator
+from tfmulti.platform.runtime.cpu_allocator import prefer_bfc_cpu_allocator
 
 
 class DeviceConfigurationError(ValueError):
@@ -30,7 +30,7 @@ def configure_logical_devices(
     TensorFlow stays uninitialised, so a multi-worker strategy can still be
     built afterwards; `logical_device_names()` lists the devices (and starts it).
     The devices get TensorFlow's BFC CPU allocator unless the user chose one
-    (`tfmulti.platform.cpu_allocator`).
+    (`tfmulti.platform.runtime.cpu_allocator`).
 
     Args:
         num_devices: how many logical devices are wanted (>= 1).
@@ -98,24 +98,9 @@ def first_logical_devices(count: int, purpose: str) -> list[str]:
     return available[:count]
 
 
-def variable_device(variable) -> str:
-    """The device that holds `variable`'s storage (a Keras or a TensorFlow variable).
-
-    Not `variable.value.device`: under a mixed-precision policy, reading `value` inside a
-    layer's call gives a float16 copy made on the current device.
-    """
-    # Imported here: Keras loads only where a Keras variable may be asked about.
-    from tfmulti.compat.keras_internals import variable_storage
-
-    # A Keras variable's public `value` and `handle` go through the autocast, so they
-    # cannot say where the storage is.
-    storage = variable_storage(variable)
-    return storage.device if storage is not None else variable.device
-
-
 def on_another_worker(device: str) -> bool:
     """Whether `device` is another worker's, lent to this process (the chief of a connected
-    cluster, `tfmulti.platform.connected_cluster`), rather than one of this process's own.
+    cluster, `tfmulti.platform.runtime.connected_cluster`), rather than one of this process's own.
 
     TensorFlow lists this process's own devices first, then the other workers'.
 

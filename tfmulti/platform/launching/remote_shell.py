@@ -150,13 +150,13 @@ def remote_command_line(
 
     Example:
         >>> remote_command_line(["python", "train.py"], {"TF_CONFIG": "{}"}, "/job", 5)
-        "cd /job && exec env 'TF_CONFIG={}' python -m tfmulti.platform.worker_guard ..."
+        "cd /job && exec env 'TF_CONFIG={}' python -m tfmulti.platform.launching.worker_guard ..."
     """
     assignments = [f"{name}={value}" for name, value in sorted(variables.items())]
     guarded = [
         remote_python(command),
         "-m",
-        "tfmulti.platform.worker_guard",
+        "tfmulti.platform.launching.worker_guard",
         f"--grace_seconds={grace_seconds:g}",
         "--",
         *command,

@@ -1,7 +1,7 @@
 """Runs one worker on a remote host and ties its life to the launcher's connection.
 
 `tfmulti-launch --remote_shell=...` starts a worker on another host as
-`<remote shell> <host> "... python -m tfmulti.platform.worker_guard -- <command>"`.
+`<remote shell> <host> "... python -m tfmulti.platform.launching.worker_guard -- <command>"`.
 A remote shell (ssh, srun) forwards neither the launcher's signals nor, without a
 terminal, its death, so the guard listens on its standard input, which the remote shell
 connects to the launcher:
@@ -111,7 +111,7 @@ def _stop_when_set(stop_requested: threading.Event, guard: _Guard) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tfmulti.platform.worker_guard",
+        prog="python -m tfmulti.platform.launching.worker_guard",
         description="Run a worker, stopping it when the launcher asks or its connection ends.",
     )
     parser.add_argument("--grace_seconds", type=float, default=10.0)

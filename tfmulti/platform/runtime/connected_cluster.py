@@ -29,16 +29,16 @@ from collections.abc import Mapping
 
 from absl import logging
 
-from tfmulti.platform import cluster as cluster_lib
-from tfmulti.platform.cluster import ClusterError, ClusterInfo
-from tfmulti.platform.cluster_agreement import (
+from tfmulti.platform.launching.sigterm import on_main_thread
+from tfmulti.platform.mesh import HybridMesh
+from tfmulti.platform.runtime import cluster as cluster_lib
+from tfmulti.platform.runtime.cluster import ClusterError, ClusterInfo
+from tfmulti.platform.runtime.cluster_agreement import (
     WorkerNotices,
     agreed_settings,
     disagreement_message,
 )
-from tfmulti.platform.mesh import HybridMesh
-from tfmulti.platform.quiet_logs import warnings_only
-from tfmulti.platform.sigterm import on_main_thread
+from tfmulti.platform.runtime.quiet_logs import warnings_only
 
 _POLL_SECONDS = 0.5
 # Each look for a serving worker's SIGTERM is a remote operation on every worker: at most
@@ -215,7 +215,7 @@ def _serve_until_the_chief_has_gone(
     # (Ray Train) no handler can be installed: the engine that runs us stops the group.
     if on_main_thread():
         signal.signal(signal.SIGTERM, lambda signum, frame: notices.post_sigterm())
-    from tfmulti.platform.allocator_peaks import local_peaks
+    from tfmulti.platform.runtime.allocator_peaks import local_peaks
 
     while _listens(chief):
         notices.post_memory(_as_served(local_peaks(), job, task))
@@ -256,7 +256,7 @@ def devices_across_workers(cluster: ClusterInfo, count: int, purpose: str) -> li
         ValueError: `count` does not split evenly over the workers, or a worker has too
             few devices; the message names the devices each worker has.
     """
-    from tfmulti.platform.devices import accelerator_type, logical_device_names
+    from tfmulti.platform.runtime.devices import accelerator_type, logical_device_names
 
     names = logical_device_names(accelerator_type())
     per_worker = [_devices_of(names, job, task) for job, task in _tasks_in_rank_order(cluster)]

@@ -9,8 +9,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfmulti.compat.keras_internals import reinitialize_variable
-from tfmulti.platform.devices import device_key, variable_device
+from tfmulti.compat.keras_internals import reinitialize_variable, variable_device
+from tfmulti.platform.runtime.devices import device_key
 
 
 def same_device(first: str, second: str) -> bool:

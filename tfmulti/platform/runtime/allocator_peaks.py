@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfmulti.platform.devices import full_device_name
+from tfmulti.platform.runtime.devices import full_device_name
 
 
 def local_peaks(task: tuple[str, int] | None = None) -> dict[str, int | None]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from absl import logging
 
-from tfmulti.platform.cluster import ClusterInfo
+from tfmulti.platform.runtime.cluster import ClusterInfo
 
 
 def quiet_unless_chief(cluster: ClusterInfo | None, verbose_workers: bool = False) -> bool:

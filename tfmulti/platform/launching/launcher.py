@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from tfmulti.names import PREEMPTED_EXIT_CODE, RESTART_COUNT_VARIABLE
-from tfmulti.platform.membership import (
+from tfmulti.platform.launching.membership import (
     MEMBERSHIP_VARIABLE,
     SLOT_VARIABLE,
     Change,
@@ -33,13 +33,13 @@ from tfmulti.platform.membership import (
     WorkerRange,
     slot_source,
 )
-from tfmulti.platform.network_isolation import (
+from tfmulti.platform.launching.network_isolation import (
     ISOLATION_VARIABLE,
     ISOLATIONS,
     IsolationUnavailable,
     PrivateNetwork,
 )
-from tfmulti.platform.remote_shell import (
+from tfmulti.platform.launching.remote_shell import (
     FORWARDED_VARIABLES,
     HOST_PLACEHOLDER,
     RemoteShell,
@@ -47,9 +47,9 @@ from tfmulti.platform.remote_shell import (
     remote_command_line,
     remote_python,
 )
-from tfmulti.platform.slurm_nodes import allocation_slots, host_of, is_this_machine
-from tfmulti.platform.worker_group import WorkerGroup, WorkerProcess
-from tfmulti.platform.worker_places import (
+from tfmulti.platform.launching.slurm_nodes import allocation_slots, host_of, is_this_machine
+from tfmulti.platform.launching.worker_group import WorkerGroup, WorkerProcess
+from tfmulti.platform.launching.worker_places import (
     WorkerPlace,
     loopback_places,
     slot_places,

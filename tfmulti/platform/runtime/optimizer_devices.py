@@ -10,7 +10,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfmulti.platform.devices import variable_device
+from tfmulti.compat.keras_internals import variable_device
 
 _PLACED_MARK = "_tfmulti_placed_on_variable_devices"
 

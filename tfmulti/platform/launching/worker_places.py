@@ -14,8 +14,8 @@ import socket
 import subprocess
 from collections.abc import Sequence
 
-from tfmulti.platform.remote_shell import RemoteShell
-from tfmulti.platform.slurm_nodes import host_of, is_this_machine
+from tfmulti.platform.launching.remote_shell import RemoteShell
+from tfmulti.platform.launching.slurm_nodes import host_of, is_this_machine
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 from absl import logging
 
-from tfmulti.platform import network_isolation
+from tfmulti.platform.launching import network_isolation
 
 COMMUNICATIONS = ("auto", "ring", "nccl")
 # MultiWorkerMirroredStrategy knows these jobs; a "chief" job, if present, is worker 0.

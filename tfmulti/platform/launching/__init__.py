@@ -1,0 +1,2 @@
+"""The launcher and its machinery: worker processes, hosts, remote shells and elastic
+membership. Nothing here imports TensorFlow."""
