@@ -7,6 +7,7 @@ from sklearn.linear_model import LogisticRegression
 
 from tfmulti.data import (
     TOKEN_RULE_PROBABILITY,
+    first_training_examples,
     load_source,
     make_datasets,
     make_datasets_from_source,
@@ -271,3 +272,51 @@ def test_a_file_that_is_not_an_npz_is_named_in_a_one_line_error(tmp_path, name, 
     with pytest.raises(ValueError, match=message) as error:
         load_source("npz", data_path=str(path))
     assert "\n" not in str(error.value) and "np.savez" in str(error.value)
+
+
+USER_DATASETS = """
+import numpy as np
+import tensorflow as tf
+
+X = np.arange(60, dtype="float32").reshape(20, 3)
+Y = np.arange(20, dtype="int64") % 4
+
+
+def pair():
+    return (
+        tf.data.Dataset.from_tensor_slices((X[:15], Y[:15])),
+        tf.data.Dataset.from_tensor_slices((X[15:], Y[15:])),
+    )
+
+
+def one():
+    return tf.data.Dataset.from_tensor_slices((X, Y))
+
+
+def arrays():
+    return (X[:15], Y[:15]), (X[15:], Y[15:])
+"""
+
+
+def test_first_training_examples_come_in_order_from_every_form_train_py_takes(
+    tmp_path, monkeypatch
+):
+    (tmp_path / "user_datasets.py").write_text(USER_DATASETS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    x = np.arange(60, dtype="float32").reshape(20, 3)
+    y = np.arange(20) % 4
+    # A pair and arrays train on their first part; one dataset holds its first tenth out.
+    for function, first in (("pair", 0), ("arrays", 0), ("one", 2)):
+        examples, labels = first_training_examples(load_source(f"user_datasets:{function}"), 8)
+        np.testing.assert_array_equal(examples, x[first : first + 8])
+        np.testing.assert_array_equal(labels, y[first : first + 8])
+    # Fewer than asked: all there are.
+    examples, _ = first_training_examples(load_source("user_datasets:pair"), 64)
+    assert len(examples) == 15
+    write_tfrecord_examples(str(tmp_path / "a.tfrecord"), x, y)
+    record_examples, record_labels = first_training_examples(
+        load_source("tfrecord", data_path=str(tmp_path / "a.tfrecord")), 3
+    )
+    # TFRecord holds every fifth record out, the first among them.
+    np.testing.assert_array_equal(record_examples, x[[1, 2, 3]])
+    np.testing.assert_array_equal(record_labels, y[[1, 2, 3]])

@@ -4,6 +4,7 @@ Pure Python, no TensorFlow: FLOPs and memory formulas, one-line errors, the accu
 over Megatron-LM's Table 1, and plan.py's --json interface.
 """
 
+import functools
 import json
 import subprocess
 import sys
@@ -11,9 +12,10 @@ import sys
 import pytest
 from script_runner import REPO_ROOT, script_environment
 
+from tfmulti.pipeline.balance import Block
 from tfmulti.pipeline.schedules import build_schedule
 from tfmulti.pipeline.simulate import CostModel, simulate
-from tfmulti.planner.analytic_costs import shape_blocks
+from tfmulti.planner.analytic_costs import embedding_allreduce_seconds, shape_blocks
 from tfmulti.planner.cluster_search import search_cluster_layouts
 from tfmulti.planner.costs import Hardware
 from tfmulti.planner.hardware_files import hardware_from_json, load_hardware
@@ -25,6 +27,12 @@ from tfmulti.zero.formulas import zero_state_bytes
 
 A100 = load_hardware("a100_80gb")
 ROW_7 = MEGATRON_TABLE_1[6]
+
+
+@functools.cache
+def compared(run):
+    """The planner's prediction for a published run, searched once for every test."""
+    return compare_run(run, A100)
 
 
 def test_megatron_flops_match_the_hand_computed_145b_row():
@@ -101,6 +109,51 @@ def test_long_schedules_are_extrapolated_along_the_simulated_line():
         assert extrapolated.peak_activation_bytes == pytest.approx(exact.peak_activation_bytes)
 
 
+def test_a_cluster_pipeline_send_holds_both_devices_through_its_exchange():
+    # Megatron-LM's sends wait for their receives: each F and B of every stage is longer by
+    # the exchange (send over the link, all-gather in the tensor group), so each device's
+    # m forwards and m backwards add 2m exchanges to a 1F1B step, not just edge delays.
+    blocks = [Block(1.0, 2.0, params=10, output_bytes=1e8) for _ in range(4)]
+    mesh = HybridMesh(data=1, pipe=2, tensor=2)
+    link = {"bandwidth": 1e9, "intra_node_latency": 1e-5, "devices_per_node": 8}
+    steps = [
+        score_layout(blocks, mesh, "1f1b", 8, 1, (2,), Hardware(**link, blocking_transfers=held))
+        for held in (False, True)
+    ]
+    exchange = (1e-5 + 0.1) + (1e-5 + 0.1)  # the send, then the gather of the other half
+    assert steps[1].pipeline_time >= steps[0].pipeline_time + 2 * 8 * exchange - 1e-9
+    one_stage = [
+        score_layout(
+            blocks, HybridMesh(tensor=2), None, 8, 1, (), Hardware(**link, blocking_transfers=held)
+        )
+        for held in (False, True)
+    ]
+    assert one_stage[0].step_time == one_stage[1].step_time
+
+
+def test_a_pipelined_gpt_keeps_a_second_embedding_on_its_last_stage_and_sums_its_gradient():
+    vocab, hidden, tensor = 51200, 8192, 8
+    shape = gpt_shape(8, hidden, 64, 2048, vocab)
+    alone, pipelined = (shape_blocks(shape, 1, tensor, A100, pipelined=p) for p in (False, True))
+    assert pipelined[-1].params - alone[-1].params == vocab * hidden // tensor
+    assert pipelined[:-1] == alone[:-1]
+    # First and last stage on other nodes: two IB messages and V·h/t 16-bit gradients.
+    across = HybridMesh(data=32, pipe=2, tensor=8)
+    expected = 2 * 10e-6 + 2 * vocab * hidden / tensor / 25e9
+    assert embedding_allreduce_seconds(shape, across, A100) == pytest.approx(expected)
+    assert embedding_allreduce_seconds(shape, HybridMesh(data=64, tensor=8), A100) == 0.0
+    (planned,) = search_cluster_layouts(
+        shape, A100, 512, 64, layout=across, max_microbatch_size=1, max_chunks=1
+    )[:1]
+    assert planned.to_json()["embedding_allreduce_time"] == pytest.approx(expected)
+
+
+def test_the_one_fitted_constant_reproduces_the_row_it_was_fitted_on():
+    # LARGE_MATMUL_EFFICIENCY is fitted so the 145.6B row predicts its published 148
+    # TFLOP/s; a change to the cost model that moves it must refit the constant.
+    assert compared(ROW_7)["predicted_tflops_per_gpu"] == pytest.approx(148, rel=0.003)
+
+
 def test_measured_hardware_is_scored_as_before():
     # No devices_per_node: float32 gradients and one link, as measured plans were scored.
     blocks = shape_blocks(gpt_shape(2, 64, 4, 16, 100), 1, 1, A100)
@@ -151,20 +204,23 @@ def test_an_unknown_preset_and_a_layout_of_too_many_devices_are_refused():
 
 
 def test_published_rows_are_predicted_within_10_percent_mape_and_fit_in_80_gb():
-    shape_errors = []
+    errors = []
     for run in MEGATRON_TABLE_1:
-        shape = gpt_shape(run.layers, run.hidden, run.heads, 2048, 51200)
-        planned = search_cluster_layouts(shape, A100, run.gpus, run.batch, layout=run.mesh)
-        fitting = [p for p in planned if p.fits]
-        assert fitting, f"{run.billions}B's published layout predicted not to fit"
-        shape_errors.append(abs(fitting[0].tflops_per_device / run.tflops_per_gpu - 1))
-    assert sum(shape_errors) / len(shape_errors) <= 0.10
-    assert max(shape_errors) <= 0.10
+        row = compared(run)
+        assert row["published_layout_fits"], (
+            f"{run.billions}B's published layout predicted not to fit"
+        )
+        assert row["published_layout"]["memory_per_device"] <= 80e9
+        errors.append(abs(row["predicted_tflops_per_gpu"] / run.tflops_per_gpu - 1))
+    assert sum(errors) / len(errors) <= 0.10
+    assert max(errors) <= 0.10
 
 
-# The planner predicts lower tensor sizes faster for these two rows (18.4B: data 64 x pipe 2
-# x tensor 2, by 10.8%; 39.1B: 32 x 4 x 4, by 8.4%), whose published layouts follow
-# Megatron-LM's heuristic of tensor = 8 first.
+# The planner predicts smaller tensor groups with a short interleaved pipeline faster for
+# these two rows (18.4B: data 64 x pipe 2 x tensor 2, by 9.7%; 39.1B: 32 x 4 x 4, by 7.9%),
+# whose published layouts follow Megatron-LM's heuristic of tensor = 8 first: at h/t =
+# 768-1024 the six tensor all-reduces of each layer and micro-batch cost about a fifth of
+# its matmuls (docs/planner_cluster.md, "Why two rows miss").
 KNOWN_GAP_MISSES = {18.4, 39.1}
 
 
@@ -182,7 +238,7 @@ KNOWN_GAP_MISSES = {18.4, 39.1}
     ],
 )
 def test_the_published_layout_is_within_5_percent_of_the_predicted_best(run):
-    assert compare_run(run, A100)["gap_to_best"] <= 0.05
+    assert compared(run)["gap_to_best"] <= 0.05
 
 
 def test_plan_py_json_lists_layouts_best_first_with_their_predictions():

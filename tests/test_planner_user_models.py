@@ -2,7 +2,8 @@
 calls `PipelineModel.from_model` cuts between, and the printed commands run it.
 
 The user's module is written by the test into a temporary directory on PYTHONPATH, as a
-user's project would be.
+user's project would be. Its `data()` returns a `(train, validation)` pair of tf.data
+datasets, a form train.py takes, from which the planner takes the examples it times on.
 """
 
 import json
@@ -16,6 +17,7 @@ USER_MODULE = textwrap.dedent(
     """
     import keras
     import numpy as np
+    import tensorflow as tf
 
 
     def build(width=32):
@@ -30,7 +32,11 @@ USER_MODULE = textwrap.dedent(
     def data():
         rng = np.random.default_rng(0)
         x = rng.normal(size=(400, 8, 8, 1)).astype("float32")
-        return x, x.reshape(400, -1)[:, :10].argmax(1).astype("int64")
+        y = x.reshape(400, -1)[:, :10].argmax(1).astype("int64")
+        return (
+            tf.data.Dataset.from_tensor_slices((x[:360], y[:360])),
+            tf.data.Dataset.from_tensor_slices((x[360:], y[360:])),
+        )
     """
 )
 CALLS = ["flatten", "hidden_1", "hidden_2", "hidden_3", "logits"]
@@ -60,6 +66,15 @@ def user_plan(tmp_path_factory):
     assert result.returncode == 0, result.stderr[-3000:]
     with open(costs) as file:
         return json.loads(result.stdout), env, json.load(file)
+
+
+def test_a_user_dataset_of_a_tf_data_pair_is_planned_on_like_arrays(user_plan):
+    output, _, costs = user_plan
+    assert costs["dataset"] == "user_planner:data"
+    assert costs["measured_batch_sizes"] and output["layouts"]
+    # The largest measured batch came whole from the training dataset: its blocks' times
+    # grow with the batch, as they would on arrays.
+    assert any(block["forward_seconds"]["per_example"] > 0 for block in costs["blocks"])
 
 
 def test_user_model_is_costed_call_by_call_as_from_model_cuts_it(user_plan):

@@ -23,7 +23,13 @@ from tfmulti.data.pipeline import (
     make_datasets_from_source,
     stream_training_batches,
 )
-from tfmulti.data.sources import DATASET_NAMES, check_dataset_name, dataset_task, load_source
+from tfmulti.data.sources import (
+    DATASET_NAMES,
+    check_dataset_name,
+    dataset_task,
+    first_training_examples,
+    load_source,
+)
 from tfmulti.data.synthetic import (
     TOKEN_RULE_PROBABILITY,
     synthetic_classification,
@@ -46,6 +52,7 @@ __all__ = [
     "array_training_stream",
     "check_dataset_name",
     "dataset_task",
+    "first_training_examples",
     "load_digits",
     "load_npz",
     "load_source",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from tfmulti.data.digits import load_digits
 from tfmulti.data.info import CLASSIFICATION, LANGUAGE_MODEL, ArrayData
 from tfmulti.data.npz import load_npz
@@ -117,3 +119,23 @@ def load_source(
     if name == "npz":
         return load_npz(data_path, num_classes=num_classes)
     return load_tfrecord(data_path, num_classes=num_classes)
+
+
+def first_training_examples(
+    source: ArrayData | RecordData | StreamData, count: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The first `count` training examples of a loaded source (fewer if it has fewer), as
+    numpy (x, y): what `scripts/train.py` builds a model with and the planner times it on.
+
+    Every form `load_source` returns: arrays, TFRecord files and a user's tf.data datasets.
+
+    Example:
+        >>> x, y = first_training_examples(load_source("digits"), 8)
+        >>> x.shape, y.shape
+        ((8, 8, 8, 1), (8,))
+    """
+    if isinstance(source, ArrayData):
+        return source.x_train[:count], source.y_train[:count]
+    for x, y in source.train.batch(count).take(1):
+        return x.numpy(), y.numpy()
+    raise ValueError(f"Dataset {source.info.name!r} has no training examples. Received: none")

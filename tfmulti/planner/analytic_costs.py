@@ -18,7 +18,10 @@ the same `score_layout` simulates both:
   again in its backward: it keeps only the layer's input, and needs the layer's whole
   activations only while it runs (`Block.transient_bytes`);
 - a stage sends its last layer's output, 1/t of it from each device of a tensor group
-  (Megatron-LM's scatter/gather across nodes);
+  (Megatron-LM's scatter/gather across nodes), and the send holds both devices
+  (`Hardware.blocking_transfers`);
+- a pipelined GPT's last stage holds a copy of the word embedding, whose gradient it sums
+  with the first stage's each step (`embedding_allreduce_seconds`);
 - parameter state is 16 bytes a parameter (mixed-precision Adam: 16-bit weight and
   gradient, 32-bit master weight, momentum and variance), gradients summed in 16 bits;
 - the optimizer step reads and writes each parameter's state once (`optimizer_seconds`).
@@ -28,17 +31,21 @@ the same `score_layout` simulates both:
 
 from __future__ import annotations
 
+import dataclasses
+
 from tfmulti.pipeline.balance import Block
 from tfmulti.planner.costs import Hardware
 from tfmulti.planner.hardware_files import ClusterHardware
 from tfmulti.planner.model_shapes import ELEMENT_BYTES, LayerSpec, Matmul, ModelShape
+from tfmulti.platform.mesh import HybridMesh
 
 # The fraction of peak FLOP/s a large 16-bit matmul reaches inside a training step.
 # Fitted: the one constant fitted to published data, on row 145.6B of Megatron-LM's
 # Table 1 (Narayanan et al., SC'21; 8-way tensor, 8-way pipeline, 1,536 A100 GPUs,
-# 148 TFLOP/s per GPU), the middle of the table's sizes. Every other figure is the
-# hardware file's or a count of FLOPs and bytes.
-LARGE_MATMUL_EFFICIENCY = 0.62
+# 148 TFLOP/s per GPU), the middle of the table's sizes: the value at which that row's
+# prediction is 148 (`tests/test_planner_cluster.py` holds it there, so a change to the
+# model refits it). Every other figure is the hardware file's or a count of FLOPs and bytes.
+LARGE_MATMUL_EFFICIENCY = 0.626
 # Mixed-precision Adam: 16-bit weight and gradient, 32-bit master weight, momentum and
 # variance (Rajbhandari et al., "ZeRO", SC'20, section 3.1).
 MIXED_PRECISION_ADAM_BYTES = 16.0
@@ -59,6 +66,7 @@ def cluster_hardware(hardware: ClusterHardware) -> Hardware:
         devices_per_node=hardware.devices_per_node,
         intra_node_latency=hardware.intra_node_latency,
         gradient_bytes_per_param=ELEMENT_BYTES,
+        blocking_transfers=True,
     )
 
 
@@ -149,13 +157,50 @@ def shape_blocks(
     tensor: int,
     hardware: ClusterHardware,
     recompute: bool = True,
+    pipelined: bool = False,
 ) -> tuple[Block, ...]:
-    """One `Block` per layer of `shape`, for `score_layout`."""
+    """One `Block` per layer of `shape`, for `score_layout`.
+
+    `pipelined`: the layers are split over pipeline stages, so a GPT's last stage holds
+    its own copy of the word embedding its output layer reuses (Megatron-LM keeps one on
+    the first and the last stage and sums their gradients, `embedding_allreduce_seconds`).
+    """
     next_inputs = [layer.input_bytes for layer in shape.layers[1:]] + [0.0]
-    return tuple(
+    blocks = [
         layer_block(layer, next_input, microbatch_size, tensor, hardware, recompute)
         for layer, next_input in zip(shape.layers, next_inputs, strict=True)
-    )
+    ]
+    if pipelined and shape.gpt:
+        copy = shape.gpt["vocab"] * shape.gpt["hidden"] / tensor
+        output = blocks[-1]
+        blocks[-1] = dataclasses.replace(
+            output,
+            params=round(output.params + copy),
+            param_bytes=output.param_bytes + copy * MIXED_PRECISION_ADAM_BYTES,
+        )
+    return tuple(blocks)
+
+
+def embedding_allreduce_seconds(shape: ModelShape, mesh: HybridMesh, hardware: ClusterHardware):
+    """The sum of a pipelined GPT's word-embedding gradient between its first and last
+    stage, after the data-parallel all-reduce (Megatron-LM's `train_step`: "All-reduce
+    word_embeddings' grad across first and last stages"): a ring of two devices, V·h/t
+    16-bit gradients, over the link between the two stages' nodes.
+
+    Example:
+        >>> from tfmulti.planner.hardware_files import load_hardware
+        >>> from tfmulti.planner.model_shapes import gpt_shape
+        >>> shape = gpt_shape(8, 8192, 64, 2048, 51200)
+        >>> mesh = HybridMesh(data=32, pipe=2, tensor=8)
+        >>> f"{embedding_allreduce_seconds(shape, mesh, load_hardware('a100_80gb')) * 1e3:.1f} ms"
+        '4.2 ms'
+    """
+    if not shape.gpt or mesh.pipe == 1:
+        return 0.0
+    num_bytes = ELEMENT_BYTES * shape.gpt["vocab"] * shape.gpt["hidden"] / mesh.tensor
+    if mesh.num_devices > hardware.devices_per_node:
+        return 2 * hardware.inter_node_latency + num_bytes / hardware.inter_node_bandwidth
+    return 2 * hardware.intra_node_latency + num_bytes / hardware.intra_node_bandwidth
 
 
 def optimizer_seconds(device_params: float, hardware: ClusterHardware) -> float:

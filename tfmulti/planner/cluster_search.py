@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from tfmulti.pipeline.balance import Block
 from tfmulti.planner.analytic_costs import (
     cluster_hardware,
+    embedding_allreduce_seconds,
     optimizer_seconds,
     shape_blocks,
 )
@@ -50,6 +51,9 @@ class ClusterLayout:
         fits: its fullest device holds no more than the hardware's memory.
         model_flops: FLOPs of one step as Megatron-LM counts them.
         num_devices: devices of the cluster (the mesh uses all of them).
+        embedding_allreduce_time: the word embedding's gradient sum between the first
+            and last stage (`analytic_costs.embedding_allreduce_seconds`), part of the
+            layout's overhead with the optimizer step.
     """
 
     layout: Layout
@@ -58,6 +62,7 @@ class ClusterLayout:
     fits: bool
     model_flops: float
     num_devices: int
+    embedding_allreduce_time: float = 0.0
 
     @property
     def tflops_per_device(self) -> float:
@@ -82,7 +87,8 @@ class ClusterLayout:
             "fits": self.fits,
             "pipeline_time": layout.pipeline_time,
             "allreduce_time": layout.allreduce_time,
-            "optimizer_time": layout.overhead_time,
+            "optimizer_time": layout.overhead_time - self.embedding_allreduce_time,
+            "embedding_allreduce_time": self.embedding_allreduce_time,
             "bubble_fraction": layout.bubble_fraction,
         }
 
@@ -189,14 +195,16 @@ def search_cluster_layouts(
         check_layout(shape, hardware, num_devices, global_batch, layout)
     scoring_hardware = cluster_hardware(hardware)
     blocks_for = functools.lru_cache(maxsize=None)(
-        lambda b, tensor, recomputes: shape_blocks(shape, b, tensor, hardware, recomputes)
+        lambda b, tensor, recomputes, pipelined: shape_blocks(
+            shape, b, tensor, hardware, recomputes, pipelined
+        )
     )
     meshes = [layout] if layout else cluster_meshes(shape, hardware, num_devices)
     candidates = []
     for candidate in _candidates(
         shape, meshes, global_batch, recompute, max_chunks, max_microbatch_size
     ):
-        blocks = blocks_for(candidate.microbatch_size, candidate.mesh.tensor, candidate.recompute)
+        blocks = _blocks(blocks_for, candidate)
         if layout is None and _state_bytes(blocks, candidate) > hardware.memory_bytes:
             continue
         candidates.append((_step_bound(blocks, candidate, global_batch, hardware), candidate))
@@ -209,7 +217,7 @@ def search_cluster_layouts(
             and bound > best_fitting * (1 + SIMULATED_MARGIN)
         ):
             break
-        blocks = blocks_for(candidate.microbatch_size, candidate.mesh.tensor, candidate.recompute)
+        blocks = _blocks(blocks_for, candidate)
         planned = _score(
             shape, blocks, candidate, global_batch, num_devices, hardware, scoring_hardware
         )
@@ -223,6 +231,15 @@ def search_cluster_layouts(
             planned.layout.step_time,
             planned.layout.peak_memory,
         ),
+    )
+
+
+def _blocks(blocks_for, candidate: _Candidate) -> tuple[Block, ...]:
+    return blocks_for(
+        candidate.microbatch_size,
+        candidate.mesh.tensor,
+        candidate.recompute,
+        candidate.mesh.pipe > 1,
     )
 
 
@@ -295,6 +312,7 @@ def _score(
     device_params = sum(block.params for block in blocks) / mesh.pipe
     if candidate.zero:
         device_params /= mesh.data
+    embedding_allreduce = embedding_allreduce_seconds(shape, mesh, hardware)
     layout = score_layout(
         blocks,
         mesh,
@@ -303,7 +321,7 @@ def _score(
         candidate.chunks,
         _boundaries(shape, mesh.pipe * candidate.chunks),
         scoring_hardware,
-        run_overhead=optimizer_seconds(device_params, hardware),
+        run_overhead=optimizer_seconds(device_params, hardware) + embedding_allreduce,
         zero=candidate.zero,
     )
     return ClusterLayout(
@@ -313,6 +331,7 @@ def _score(
         fits=layout.peak_memory <= hardware.memory_bytes,
         model_flops=shape.model_flops(global_batch, candidate.recompute),
         num_devices=num_devices,
+        embedding_allreduce_time=embedding_allreduce,
     )
 
 

@@ -275,6 +275,13 @@ class Hardware:
             waits beyond its bytes.
         gradient_bytes_per_param: bytes of a parameter's gradient as data parallelism sums
             it, and of its working weight (4: float32; 2: mixed precision).
+        blocking_transfers: a pipeline send holds both its devices for its time, besides
+            delaying its consumer: Megatron-LM's sends wait for their receives and then
+            synchronize the device (`p2p_communication._communicate`), so each forward and
+            backward of a pipeline stage pays one exchange with its neighbours; with a
+            tensor group, each device sends 1/t of the tensor and the receivers all-gather
+            it (the scatter/gather of Narayanan et al., section 4.1). False: a send
+            overlaps the devices' work and only delays its consumer (tfmulti's executor).
     """
 
     bandwidth: float = 10e9
@@ -287,6 +294,7 @@ class Hardware:
     devices_per_node: int | None = None
     intra_node_latency: float = 0.0
     gradient_bytes_per_param: float = GRADIENT_BYTES_PER_PARAM
+    blocking_transfers: bool = False
 
     def __post_init__(self):
         if self.bandwidth <= 0 or self.inter_host_bandwidth <= 0:

@@ -23,7 +23,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from tfmulti.data import dataset_task, load_source
+from tfmulti.data import dataset_task, first_training_examples, load_source
 from tfmulti.models import registry
 from tfmulti.pipeline.stages.block_partition import measure_blocks
 from tfmulti.planner.costs import AffineTime, BlockCost, ModelCosts
@@ -78,20 +78,19 @@ def measure_model_costs(
     source = load_source(dataset, data_path=data_path, seed=seed)
     info = source.info
     registry.check_model_accepts(model, info.task, info.input_shape)
-    if len(source.x_train) < batch_sizes[-1]:
+    x_train, y_train = first_training_examples(source, batch_sizes[-1])
+    if len(x_train) < batch_sizes[-1]:
         raise ValueError(
-            f"Dataset {dataset!r} has {len(source.x_train)} training examples, fewer than "
+            f"Dataset {dataset!r} has {len(x_train)} training examples, fewer than "
             f"the batch to measure. Received: batch_sizes={batch_sizes}"
         )
     blocks = registry.build_blocks(model, info.input_shape, info.num_classes, seed, **model_options)
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1. Received: rounds={rounds}")
     # measured[size][block]
-    measured = [
-        measure_blocks(blocks, source.x_train[:size], rounds=rounds) for size in batch_sizes
-    ]
-    variables = _built_variable_counts(blocks, source.x_train[:1])
-    shares = _blocks_split_shares(blocks, [source.x_train[:size] for size in batch_sizes])
+    measured = [measure_blocks(blocks, x_train[:size], rounds=rounds) for size in batch_sizes]
+    variables = _built_variable_counts(blocks, x_train[:1])
+    shares = _blocks_split_shares(blocks, [x_train[:size] for size in batch_sizes])
     costs = []
     for index, block in enumerate(blocks):
         forward = [per_size[index].forward_time for per_size in measured]
@@ -119,10 +118,10 @@ def measure_model_costs(
                 model, info.input_shape, info.num_classes, seed, **model_options
             )
 
-        step = _one_device_step(build, source.x_train, source.y_train, batch_sizes)
+        step = _one_device_step(build, x_train, y_train, batch_sizes)
         costs = scaled_to_step(costs, step, machine.step_seconds(sum(variables)))
         serial_fractions = _model_serial_fractions(
-            build, source.x_train, source.y_train, batch_sizes[-1], devices
+            build, x_train, y_train, batch_sizes[-1], devices
         )
     return ModelCosts(
         model=model,
@@ -332,7 +331,7 @@ def measure_user_model_costs(
 
     Args:
         model: `package.module:function` returning a functional or Sequential model.
-        dataset: a dataset name or `package.module:function` giving arrays.
+        dataset: a dataset name or `package.module:function`, in any form train.py takes.
         model_options: keyword arguments of the function (`--model_option`).
         data_path: the file(s) of an "npz" or "tfrecord" dataset.
         batch_sizes: two batch sizes, smallest first; times are fitted through both.
@@ -355,12 +354,12 @@ def measure_user_model_costs(
     model_options = dict(model_options or {})
     batch_sizes = sorted(set(batch_sizes))
     source = load_source(dataset, data_path=data_path, seed=seed)
-    examples = getattr(source, "x_train", None)
-    if examples is None or len(examples) < batch_sizes[-1]:
+    examples, labels = first_training_examples(source, batch_sizes[-1])
+    if len(examples) < batch_sizes[-1]:
         raise ValueError(
-            f"The planner times a user's model on arrays of at least {batch_sizes[-1]} "
-            f"examples; --dataset={dataset} gives none or fewer. Pass arrays (x, y) or "
-            "lower --global_batch."
+            f"The planner times a user's model on at least {batch_sizes[-1]} training "
+            f"examples; --dataset={dataset} gives {len(examples)}. Give more or lower "
+            "--global_batch."
         )
     function = load_function(model, "--model")
     view = functional_view(function(**model_options))
@@ -397,12 +396,12 @@ def measure_user_model_costs(
         def build():
             return function(**model_options)
 
-        step = _one_device_step(build, examples, source.y_train, batch_sizes)
+        step = _one_device_step(build, examples, labels, batch_sizes)
         costs = scaled_to_step(
             costs, step, machine.step_seconds(sum(block.variables for block in costs))
         )
         serial_fractions = _model_serial_fractions(
-            build, examples, source.y_train, batch_sizes[-1], devices
+            build, examples, labels, batch_sizes[-1], devices
         )
     return ModelCosts(
         model=model,

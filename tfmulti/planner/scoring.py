@@ -30,7 +30,7 @@ from tfmulti.pipeline.balance import Block, stage_cost
 from tfmulti.pipeline.overlapped_pairs import pair_times
 from tfmulti.pipeline.round_loop import loop_schedule
 from tfmulti.pipeline.schedules import CHUNKED_SCHEDULES, build_schedule
-from tfmulti.pipeline.simulate import CostModel, SimulationResult, simulate
+from tfmulti.pipeline.simulate import CostModel, SimulationResult, StageCost, simulate
 from tfmulti.planner.costs import Hardware
 from tfmulti.planner.hosts import (
     check_cross_host_axis,
@@ -186,10 +186,15 @@ def score_layout(
         for index, stage in enumerate(stage_blocks)
     )
     sent_bytes = max((stage[-1].output_bytes for stage in stage_blocks[:-1]), default=0.0)
+    transfer_seconds = pipe_transfer_seconds(sent_bytes, mesh, hardware)
+    if hardware.blocking_transfers and mesh.pipe > 1:
+        stage_costs = _held_through_exchanges(
+            stage_costs, transfer_seconds + tensor_gather_seconds(sent_bytes, mesh, hardware)
+        )
     pair_fraction = hardware.machine.pair_fraction if hardware.machine else 1.0
     cost_model = CostModel(
         stage_costs,
-        pipe_transfer_seconds(sent_bytes, mesh, hardware),
+        transfer_seconds,
         # An overlapped pair (DualPipeV) takes the measured share of its two halves' time.
         pair_times=pair_times(
             plan,
@@ -288,6 +293,31 @@ def score_layout(
         hosts=hosts,
         cross_host_axis=cross_host_axis,
         zero=zero,
+    )
+
+
+def tensor_gather_seconds(sent_bytes: float, mesh: HybridMesh, hardware: Hardware) -> float:
+    """The all-gather inside a tensor group of the 1/t shares of a received tensor, each
+    `sent_bytes`, as a ring: t - 1 messages of the node's latency and bytes.
+
+    Example:
+        >>> tensor_gather_seconds(1e6, HybridMesh(pipe=2, tensor=4), Hardware(bandwidth=1e9))
+        0.003
+    """
+    steps = mesh.tensor - 1
+    return steps * (hardware.intra_node_latency + sent_bytes / hardware.bandwidth)
+
+
+def _held_through_exchanges(stage_costs, seconds: float) -> tuple[StageCost, ...]:
+    """Each stage's forward and backward holding its device `seconds` longer: the
+    exchange with its neighbours that a blocking send and receive wait through."""
+    return tuple(
+        StageCost(
+            forward=cost.forward + seconds,
+            backward=cost.backward + seconds,
+            activation_bytes=cost.activation_bytes,
+        )
+        for cost in stage_costs
     )
 
 

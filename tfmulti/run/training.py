@@ -199,13 +199,6 @@ def _shard_policy(
     return config.data.shard_policy
 
 
-def _first_inputs(source: data_lib.ArrayData | data_lib.RecordData, batch_size: int):
-    """One global batch of inputs (any rows will do), to build and cost the model."""
-    if isinstance(source, data_lib.ArrayData):
-        return source.x_train[:batch_size]
-    return next(iter(source.train.batch(batch_size).take(1)))[0].numpy()
-
-
 # Marks the record `train` returns for a resumed run that had no epoch left to train.
 NOTHING_LEFT_TO_TRAIN = "nothing_left_to_train"
 
@@ -302,7 +295,11 @@ def train(config: TrainConfig, callbacks: Sequence[keras.callbacks.Callback] = (
     if training_strategy.feeds_worker_rows and cluster is not None:
         data = dataclasses.replace(data, train=training_strategy.worker_rows(data.train, cluster))
     model = build_compiled_model(
-        config, data.info, strategy, _first_inputs(source, config.data.batch_size), cluster
+        config,
+        data.info,
+        strategy,
+        data_lib.first_training_examples(source, config.data.batch_size)[0],
+        cluster,
     )
     run = {
         **config.to_dict(),
