@@ -15,12 +15,20 @@ device alone. From each run's `metrics.json`:
   same N (stage 0 is MultiWorkerMirroredStrategy's collective all-reduce; stages 1-3 are
   driven by the chief over gRPC, `tfmulti/zero/`).
 
+With `--overlap_devices=N` (default 4), one more run traces stage 3 on one host
+(`--strategy=mirrored --virtual_devices=N --zero=3 --profile_steps`, every device in one
+process, so one profile holds them all) and reads from the trace how much of the weight
+gathering ran while a layer computed on another thread (`tfmulti.zero.gather_overlap`):
+the next layer's gather issued during the current layer's compute.
+
 Prints one JSON object; `--out` writes it, `--plot` draws bytes per device against N
-beside the formulas, and step time per stage.
+beside the formulas, and step time per stage; `--timeline` draws one traced stage-3 step,
+gathers beside compute, thread by thread.
 
 Example:
     python scripts/benchmark_zero.py --workers=2,4 --out=/tmp/zero.json --plot=/tmp/zero.png
-    python scripts/benchmark_zero.py --workers=2 --stages=0,3 --width=32 --layers=1 --steps=2
+    python scripts/benchmark_zero.py --workers=2 --stages=0,3 --width=32 --layers=1 --steps=2 \
+        --overlap_devices=2 --timeline=/tmp/zero_timeline.png
 """
 
 import json
@@ -36,7 +44,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from tfmulti.flags.parsing import run_script  # noqa: E402
+from tfmulti.run.trace_events import host_events, newest_trace, op_events, step_spans  # noqa: E402
 from tfmulti.zero.formulas import zero_state_bytes  # noqa: E402
+from tfmulti.zero.gather_overlap import gather_overlap, is_compute, is_gather  # noqa: E402
 
 flags.DEFINE_list("workers", ["2", "4"], "Worker counts N (one device each).")
 flags.DEFINE_list("stages", ["0", "1", "2", "3"], "ZeRO stages to run.")
@@ -47,20 +57,21 @@ flags.DEFINE_integer("steps", 5, "Steps per epoch.", lower_bound=1)
 flags.DEFINE_integer("epochs", 2, "Epochs; the first one's steps are not timed.", lower_bound=2)
 flags.DEFINE_string("out", None, "Also write the JSON result to this file.")
 flags.DEFINE_string("plot", None, "Draw bytes per device and step time to this PNG.")
+flags.DEFINE_integer(
+    "overlap_devices",
+    4,
+    "Devices of the traced stage-3 run on one host; 0 skips it.",
+    lower_bound=0,
+)
+flags.DEFINE_string("timeline", None, "Draw one traced stage-3 step to this PNG.")
 FLAGS = flags.FLAGS
 
 
-def _run(num_workers: int, stage: int, model_dir: str) -> dict:
+def _train_flags(stage: int, model_dir: str) -> list[str]:
     hidden = tuple([FLAGS.width] * FLAGS.layers)
-    command = [
-        sys.executable,
-        os.path.join(REPO_ROOT, "scripts", "launch.py"),
-        f"--num_workers={num_workers}",
-        "--devices_per_worker=1",
-        "--",
+    return [
         sys.executable,
         os.path.join(REPO_ROOT, "scripts", "train.py"),
-        "--strategy=multi_worker",
         f"--zero={stage}",
         "--model=mlp",
         f"--model_option=hidden_units={list(hidden)!r}".replace(" ", ""),
@@ -73,15 +84,60 @@ def _run(num_workers: int, stage: int, model_dir: str) -> dict:
         "--log_steps=0",
         f"--model_dir={model_dir}",
     ]
+
+
+def _execute(command: list[str], what: str, model_dir: str) -> dict:
     environment = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true"}
     result = subprocess.run(
         command, capture_output=True, text=True, cwd=REPO_ROOT, env=environment, check=False
     )
     if result.returncode != 0:
         last = [line for line in result.stderr.splitlines() if line.strip()][-1:]
-        raise ValueError(f"N={num_workers} stage {stage} failed: {' '.join(last)}")
+        raise ValueError(f"{what} failed: {' '.join(last)}")
     with open(os.path.join(model_dir, "metrics.json")) as handle:
         return json.load(handle)
+
+
+def _run(num_workers: int, stage: int, model_dir: str) -> dict:
+    launch = [
+        sys.executable,
+        os.path.join(REPO_ROOT, "scripts", "launch.py"),
+        f"--num_workers={num_workers}",
+        "--devices_per_worker=1",
+        "--",
+    ]
+    command = launch + _train_flags(stage, model_dir) + ["--strategy=multi_worker"]
+    return _execute(command, f"N={num_workers} stage {stage}", model_dir)
+
+
+def _traced_stage3(num_devices: int, model_dir: str) -> tuple[dict, list]:
+    """The overlap of gathers and compute in each traced step of a stage-3 run on one host
+    (the steps of the last epoch but its first), and the ops of the middle traced step."""
+    first = FLAGS.steps * (FLAGS.epochs - 1) + 2
+    last = FLAGS.steps * FLAGS.epochs
+    if first > last:
+        raise ValueError("--steps must be at least 2 to trace a stage-3 step after the first.")
+    command = _train_flags(3, model_dir) + [
+        "--strategy=mirrored",
+        f"--virtual_devices={num_devices}",
+        f"--profile_steps={first},{last}",
+    ]
+    _execute(command, f"stage 3 traced on {num_devices} devices", model_dir)
+    events = host_events(newest_trace(os.path.join(model_dir, "logs", "train")))
+    ops, steps = op_events(events), step_spans(events)
+    per_step = [gather_overlap(ops, span) for span in steps]
+    middle = steps[len(steps) // 2]
+    summary = {
+        "devices": num_devices,
+        "traced_steps": len(steps),
+        "gather_ops_per_step": per_step[0]["gather_ops"],
+        "regather_ops_per_step": per_step[0]["regather_ops"],
+        "overlap_fraction_median": statistics.median(s["overlap_fraction"] for s in per_step),
+        "overlap_fraction": [s["overlap_fraction"] for s in per_step],
+        "gather_op_ms_median": 1e3 * statistics.median(s["gather_op_seconds"] for s in per_step),
+        "compute_ms_median": 1e3 * statistics.median(s["compute_seconds"] for s in per_step),
+    }
+    return summary, [op for op in ops if middle[0] <= op.start and op.end <= middle[1]]
 
 
 def _summary(num_workers: int, stage: int, record: dict) -> dict:
@@ -164,6 +220,38 @@ def _plot(results: list[dict], path: str) -> None:
     figure.savefig(path, dpi=110)
 
 
+def _plot_timeline(ops: list, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    threads = sorted({op.thread for op in ops})
+    origin = min(op.start for op in ops)
+    figure, axis = plt.subplots(figsize=(14, 1.2 + 0.8 * len(threads)))
+    kinds = (
+        ("gather (zero_gather, zero_regather)", is_gather, "tab:orange"),
+        ("compute (MatMul)", is_compute, "tab:blue"),
+        ("other ops", lambda op: not is_gather(op) and not is_compute(op), "lightgrey"),
+    )
+    for label, belongs, color in kinds:
+        for lane, thread in enumerate(threads):
+            bars = [
+                (1e3 * (op.start - origin), 1e3 * (op.end - op.start))
+                for op in ops
+                if op.thread == thread and belongs(op)
+            ]
+            axis.broken_barh(
+                bars, (lane - 0.35, 0.7), color=color, label=label if lane == 0 else None
+            )
+    axis.set_yticks(range(len(threads)))
+    axis.set_yticklabels([f"executor thread {index}" for index in range(len(threads))])
+    axis.set(xlabel="ms from the step's first op", title="ZeRO stage 3, one traced step")
+    axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 def main(argv):
     del argv
     results = []
@@ -178,6 +266,11 @@ def main(argv):
             result["step_time_ms"] / zero[0]["step_time_ms"] if zero else None
         )
     output = {"model": {"width": FLAGS.width, "layers": FLAGS.layers}, "runs": results}
+    if FLAGS.overlap_devices:
+        with tempfile.TemporaryDirectory() as scratch:
+            output["stage3_overlap"], traced_ops = _traced_stage3(FLAGS.overlap_devices, scratch)
+        if FLAGS.timeline:
+            _plot_timeline(traced_ops, FLAGS.timeline)
     text = json.dumps(output, indent=2)
     print(text)
     if FLAGS.out:

@@ -112,6 +112,7 @@ SMALLEST = {
         "--layers=1",
         "--steps=2",
         "--epochs=2",
+        "--overlap_devices=2",
     ),
     # The smallest and the fitted row of Megatron-LM's Table 1 (no TensorFlow, seconds).
     "benchmark_cluster_planner.py": ("--rows=1,7",),
@@ -364,11 +365,23 @@ def test_benchmark_cpu_allocator_names_a_failing_run_in_one_line():
 
 
 def test_benchmark_zero_measures_every_workers_bytes_against_the_formulas(tmp_path):
-    out, plot = tmp_path / "zero.json", tmp_path / "zero.png"
-    stdout = _ran(run_script(*RUNS["benchmark_zero"], f"--out={out}", f"--plot={plot}"))
+    out, plot, timeline = tmp_path / "zero.json", tmp_path / "zero.png", tmp_path / "line.png"
+    stdout = _ran(
+        run_script(
+            *RUNS["benchmark_zero"], f"--out={out}", f"--plot={plot}", f"--timeline={timeline}"
+        )
+    )
     result = json.loads(stdout)
     assert json.loads(out.read_text()) == result
     assert_valid_png(plot)
+    assert_valid_png(timeline)
+    # The traced stage-3 step (the second epoch's second) read from the profiler's trace:
+    # each of the MLP's 4 weights gathered on each of 2 devices for the forward, and
+    # gathered again for the backward.
+    overlap = result["stage3_overlap"]
+    assert overlap["traced_steps"] == 1
+    assert overlap["gather_ops_per_step"] >= 8 and overlap["regather_ops_per_step"] > 0
+    assert 0.0 <= overlap["overlap_fraction_median"] <= 1.0
     runs = {run["stage"]: run for run in result["runs"]}
     assert sorted(runs) == [0, 3]
     for run in runs.values():

@@ -273,3 +273,25 @@ def test_an_unknown_stage_or_stage_zero_is_refused_in_one_line():
         zero_state_bytes(4, 1, 1)
     with pytest.raises(ValueError, match="stage 0 is plain data parallelism"):
         ZeroDataParallel(_mlp(), DEVICES, 0)
+
+
+def test_gather_overlap_counts_gathering_beside_compute_on_other_threads():
+    from tfmulti.run.trace_events import TraceEvent
+    from tfmulti.zero.gather_overlap import gather_overlap
+
+    ops = [
+        # A forward gather [0, 2] while a MatMul runs on the other thread over [1, 3].
+        TraceEvent("call/dense_1/zero_gather/concat:ConcatV2", 0.0, 2.0, "a"),
+        TraceEvent("call/dense/MatMul:MatMul", 1.0, 3.0, "b"),
+        # A backward gather (a scope's third use) beside compute on its own thread only.
+        TraceEvent("call/zero_regather_2/concat:ConcatV2", 4.0, 6.0, "a"),
+        TraceEvent("call/dense/MatMul_1:MatMul", 4.0, 6.0, "a"),
+        TraceEvent("call/not_a_zero_gather/concat:ConcatV2", 4.0, 6.0, "b"),
+    ]
+    overlap = gather_overlap(ops)
+    assert (overlap["gather_ops"], overlap["regather_ops"]) == (2, 1)
+    assert overlap["gather_op_seconds"] == pytest.approx(4.0)
+    assert overlap["overlapped_op_seconds"] == pytest.approx(1.0)
+    assert overlap["overlap_fraction"] == pytest.approx(0.25)
+    assert overlap["compute_seconds"] == pytest.approx(4.0)  # [1, 3] and [4, 6]
+    assert gather_overlap(ops, span=(3.5, 7.0))["overlap_fraction"] == 0.0

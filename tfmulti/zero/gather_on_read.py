@@ -31,6 +31,10 @@ from tfmulti.compat.keras_internals import (
 )
 from tfmulti.zero.sharded_weights import ShardedWeights
 
+# Name scopes of the gathers' ops, which a profile's op names carry (`gather_overlap`).
+FORWARD_GATHER = "zero_gather"
+BACKWARD_GATHER = "zero_regather"
+
 
 class GatherOnRead(keras.StatelessScope):
     """A stateless scope where a sharded weight reads as its blocks joined on `device`.
@@ -57,7 +61,7 @@ class GatherOnRead(keras.StatelessScope):
             return value
         weight = self.sharded.index_of(variable)
         if weight is not None:
-            with tf.device(self.sharded.devices[self.replica]):
+            with tf.device(self.sharded.devices[self.replica]), tf.name_scope(FORWARD_GATHER):
                 return self.sharded.join(weight, self.sharded.block_reads(weight))
         return super().get_current_value(variable)
 
@@ -108,8 +112,12 @@ def _regathering_call(entry: _LayerWeights, call, scope: GatherOnRead):
     sharded = scope.sharded
     device = sharded.devices[scope.replica]
 
-    def gather(blocks_per_weight: list[list[tf.Tensor]], anchor) -> list[tf.Tensor]:
-        with tf.device(device), tf.control_dependencies([anchor] if anchor is not None else []):
+    def gather(blocks_per_weight: list[list[tf.Tensor]], anchor, name: str) -> list[tf.Tensor]:
+        with (
+            tf.device(device),
+            tf.name_scope(name),
+            tf.control_dependencies([anchor] if anchor is not None else []),
+        ):
             return [
                 sharded.join(weight, blocks)
                 for weight, blocks in zip(entry.weights, blocks_per_weight, strict=True)
@@ -139,7 +147,7 @@ def _regathering_call(entry: _LayerWeights, call, scope: GatherOnRead):
         @tf.custom_gradient
         def run(*inputs):
             layer_inputs, flat_blocks = inputs[: len(tensors)], inputs[len(tensors) :]
-            whole = gather(regroup(flat_blocks), scope.forward_anchor)
+            whole = gather(regroup(flat_blocks), scope.forward_anchor, FORWARD_GATHER)
             if layer_inputs:
                 scope.forward_anchor = layer_inputs[0]
             scope.live.update({id(v): w for v, w in zip(entry.variables, whole, strict=True)})
@@ -157,7 +165,7 @@ def _regathering_call(entry: _LayerWeights, call, scope: GatherOnRead):
                 # device received of them alive from the forward to here.
                 with tf.control_dependencies([anchor] if anchor is not None else []):
                     fresh = [sharded.block_reads(weight) for weight in entry.weights]
-                again = gather(fresh, anchor)
+                again = gather(fresh, anchor, BACKWARD_GATHER)
                 differentiable = [t for t in layer_inputs if t.dtype.is_floating]
                 with tf.device(device), tf.GradientTape() as tape:
                     tape.watch(differentiable + again)
