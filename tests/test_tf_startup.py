@@ -66,3 +66,109 @@ def test_filter_drops_startup_notices_and_passes_every_other_line(capfd):
     assert capfd.readouterr().err == (
         "E0000 00:00:1.0 1 bfc_allocator.cc:1] Allocator ran out of memory\na Python warning\n"
     )
+
+
+QUICK_EXIT_PROGRAM = r"""
+import atexit, os, sys, threading, time
+import h5py, numpy as np, tensorflow as tf
+from tfmulti.platform.runtime.quick_exit import exit_without_teardown
+
+out = sys.argv[1]
+# A user's leftovers at exit: a TensorBoard writer that never flushes by itself, a text
+# file and an HDF5 file left open, a thread still writing, an exit handler.
+writer = tf.summary.create_file_writer(os.path.join(out, "logs"), max_queue=1000,
+                                       flush_millis=10**9)
+with writer.as_default():
+    tf.summary.scalar("loss", 0.5, step=1)
+text = open(os.path.join(out, "notes.txt"), "w")
+text.write("kept")
+weights = h5py.File(os.path.join(out, "weights.h5"), "w")
+weights["kernel"] = np.arange(6.0)
+def late_writer():
+    time.sleep(0.5)
+    with open(os.path.join(out, "thread.txt"), "w") as handle:
+        handle.write("done")
+threading.Thread(target=late_writer).start()
+atexit.register(lambda: open(os.path.join(out, "atexit.txt"), "w").write("ran"))
+print("buffered", end="")
+exit_without_teardown(3)
+"""
+
+
+def test_an_exit_without_teardown_keeps_everything_left_open(tmp_path):
+    """What `run_script` does at the end of a TensorFlow program: the exit code, threads,
+    exit handlers and every open writer's data are as after Python's own exit."""
+    import subprocess
+    import sys
+
+    import h5py
+    import numpy as np
+    from tensorflow.core.util import event_pb2
+    from tensorflow.python.lib.io import tf_record
+
+    result = subprocess.run(
+        [sys.executable, "-c", QUICK_EXIT_PROGRAM, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        timeout=300,
+    )
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert result.stdout == "buffered"
+    assert (tmp_path / "notes.txt").read_text() == "kept"
+    assert (tmp_path / "thread.txt").read_text() == "done"
+    assert (tmp_path / "atexit.txt").read_text() == "ran"
+    with h5py.File(tmp_path / "weights.h5", "r") as handle:
+        np.testing.assert_array_equal(handle["kernel"][()], np.arange(6.0))
+    (events_file,) = (tmp_path / "logs").iterdir()
+    tags = [
+        value.tag
+        for record in tf_record.tf_record_iterator(str(events_file))
+        for value in event_pb2.Event.FromString(record).summary.value
+    ]
+    assert tags == ["loss"]
+
+
+RUN_SCRIPT_PROGRAM = r"""
+import atexit, os, sys
+import tensorflow as tf
+from tfmulti.flags.parsing import run_script
+
+out = sys.argv[1]
+
+
+class TornDown:
+    # Its finalizer runs only in the interpreter's teardown, which run_script skips; it
+    # holds what it needs, since the teardown empties the modules first.
+    def __del__(self, path=os.path.join(out, "torn_down.txt"), write=open):
+        with write(path, "w") as handle:
+            handle.write("yes")
+
+
+kept_until_teardown = TornDown()
+
+
+def main(argv):
+    atexit.register(lambda: open(os.path.join(out, "atexit.txt"), "w").write("ran"))
+    raise ValueError("a bad value")
+
+
+run_script(main, (ValueError,))
+"""
+
+
+def test_a_script_that_loaded_tensorflow_skips_the_teardown_and_keeps_its_exit_code(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", RUN_SCRIPT_PROGRAM, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        timeout=300,
+    )
+    assert result.returncode == 1
+    assert last_line(result.stderr) == "-c: error: a bad value"
+    assert (tmp_path / "atexit.txt").read_text() == "ran"
+    assert not (tmp_path / "torn_down.txt").exists()

@@ -46,7 +46,8 @@ def run_script(
     """Runs `main` with absl, turning any of `user_errors` into one line and an exit code.
 
     The code is the error's `exit_code` attribute if it has one (a preemption's
-    "restart me"), else 1.
+    "restart me"), else 1. A program that loaded TensorFlow ends without the interpreter's
+    teardown (`quick_exit`): about 2 s less per run, and nothing open is lost.
 
     Args:
         main: the script's main function.
@@ -69,4 +70,12 @@ def run_script(
             sys.exit(getattr(error, "exit_code", 1))
 
     parser = functools.partial(parse_flags_or_exit, usage=usage, module=module, title=title)
-    app.run(guarded_main, flags_parser=parser)
+    try:
+        app.run(guarded_main, flags_parser=parser)
+    except SystemExit as exit_request:
+        if "tensorflow" not in sys.modules:
+            raise
+        # Imported here: only a program that loaded TensorFlow pays for its teardown.
+        from tfmulti.platform.runtime.quick_exit import exit_code_of, exit_without_teardown
+
+        exit_without_teardown(exit_code_of(exit_request.code))
