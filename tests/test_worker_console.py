@@ -1,5 +1,7 @@
 """A non-chief worker keeps Keras's progress and tfmulti's info lines to itself."""
 
+import logging as std_logging
+
 import keras
 import pytest
 from absl import logging
@@ -12,11 +14,15 @@ HOSTS = ["127.0.0.1:2222", "127.0.0.1:2223"]
 
 @pytest.fixture
 def console_state():
-    """Restores Keras's interactive logging and the absl logger's own level after the test."""
-    level = logging.get_absl_logger().level
+    """Restores Keras's interactive logging, absl's verbosity and the absl and root loggers'
+    own levels after the test."""
+    root = std_logging.getLogger()
+    verbosity, levels = logging.get_verbosity(), (logging.get_absl_logger().level, root.level)
     yield
     keras.config.enable_interactive_logging()
-    logging.get_absl_logger().setLevel(level)
+    logging.set_verbosity(verbosity)
+    logging.get_absl_logger().setLevel(levels[0])
+    root.setLevel(levels[1])
 
 
 def test_a_non_chief_worker_prints_only_warnings_and_errors(console_state):
@@ -44,3 +50,43 @@ def test_the_chief_a_single_host_and_verbose_workers_keep_every_line(
     assert not quiet_unless_chief(cluster, verbose_workers)
     assert keras.config.is_interactive_logging_enabled()
     assert logging.get_verbosity() == logging.INFO
+
+
+QUIETED_SCRIPT = """
+from absl import app, logging
+from tfmulti.platform.runtime.quiet_logs import warnings_only
+
+def main(argv):
+    with warnings_only():
+        logging.info("hidden")
+    logging.info("shown after")
+
+app.run(main)
+"""
+
+
+def test_info_lines_come_back_after_a_quiet_spell_in_a_script_and_under_caplog(caplog):
+    """Under `absl.app` absl's handler sets the root logger's level, elsewhere its own
+    logger's: both are as before the quiet spell (the chief of a chief-driven run logs its
+    stage table after connecting to the workers inside one)."""
+    import os
+    import subprocess
+    import sys
+
+    from tfmulti.platform.runtime.quiet_logs import warnings_only
+
+    result = subprocess.run(
+        [sys.executable, "-c", QUIETED_SCRIPT],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "shown after" in result.stderr and "hidden" not in result.stderr
+
+    with caplog.at_level(std_logging.INFO):
+        with warnings_only():
+            logging.info("hidden")
+        logging.info("shown after")
+    assert "shown after" in caplog.text and "hidden" not in caplog.text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging as standard_logging
 from collections.abc import Iterator
 
 from absl import logging
@@ -10,13 +11,21 @@ from absl import logging
 
 @contextlib.contextmanager
 def warnings_only() -> Iterator[None]:
-    """Logs only absl warnings and errors inside; restores the absl logger's own level
-    after (not the verbosity it reported, which would pin an unset level to WARNING and
-    hide INFO from handlers set up later, such as pytest's `caplog`)."""
-    absl_logger = logging.get_absl_logger()
-    level = absl_logger.level
+    """Logs only absl warnings and errors inside; afterwards, the verbosity flag, the absl
+    logger's own level and the root logger's level are as before.
+
+    absl sets the root logger's level when its handler is the root's (a script under
+    `absl.app`), else its own logger's; restoring only the verbosity would pin an unset
+    absl level, hiding INFO from handlers set up later (pytest's `caplog`), and restoring
+    only the absl level would leave the root at WARNING (a script's INFO lines lost).
+    """
+    absl_logger, root = logging.get_absl_logger(), standard_logging.getLogger()
+    levels = (absl_logger.level, root.level)
+    verbosity = logging.get_verbosity()
     logging.set_verbosity(logging.WARNING)
     try:
         yield
     finally:
-        absl_logger.setLevel(level)
+        logging.set_verbosity(verbosity)
+        absl_logger.setLevel(levels[0])
+        root.setLevel(levels[1])
