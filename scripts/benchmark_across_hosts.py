@@ -198,8 +198,6 @@ def measure(layout: str, place: str) -> dict:
     import numpy as np
     import tensorflow as tf
 
-    from tfmulti.pipeline.runtime.grappler_iterations import OptimisedOnceSteps, optimised_once
-
     cluster = _connect() if place == "across_hosts" else None
     if cluster is False:
         return None
@@ -217,8 +215,6 @@ def measure(layout: str, place: str) -> dict:
     model.optimizer.build(order() if order else model.trainable_variables)
     step = tf.function(model.train_step, autograph=False)
     concrete = step.get_concrete_function(data)
-    if isinstance(model, OptimisedOnceSteps):
-        concrete = optimised_once(concrete)
     concrete(data)
     first_step_unix, first_step_cpu_s = time.time(), time.process_time()
     ports = [int(a.rpartition(":")[2]) for a in cluster.worker_addresses] if cluster else []

@@ -48,12 +48,6 @@ flags.DEFINE_list("hybrid_data", ["2"], "Data replicas D of each hybrid model me
 flags.DEFINE_integer(
     "steady_steps", 5, "Further runs whose median step time is reported.", lower_bound=1
 )
-flags.DEFINE_boolean(
-    "grappler_once",
-    True,
-    "Run pipeline and hybrid steps as fit does, with one Grappler iteration "
-    "(--nograppler_once: TensorFlow's default two, for a before/after).",
-)
 flags.DEFINE_string("only", None, "Measure one configuration KIND:LAYERS:M:D in this process.")
 flags.DEFINE_string("out", None, "Write the JSON records to this file.")
 flags.DEFINE_string("plot", None, "Draw start-up CPU seconds against m into this PNG.")
@@ -100,13 +94,9 @@ def measure(kind: str, layers: int, microbatches: int, data_replicas: int) -> di
     model(data[0][:2])
     order = getattr(model, "optimizer_variable_order", None)
     model.optimizer.build(order() if order else model.trainable_variables)
-    from tfmulti.pipeline.runtime.grappler_iterations import OptimisedOnceSteps, optimised_once
-
     step = tf.function(model.train_step, autograph=False)
     wall, cpu = time.perf_counter(), time.process_time()
     concrete = step.get_concrete_function(data)
-    if FLAGS.grappler_once and isinstance(model, OptimisedOnceSteps):
-        concrete = optimised_once(concrete)
     trace_s = time.perf_counter() - wall
     concrete(data)
     first_step_s, first_step_cpu_s = time.perf_counter() - wall, time.process_time() - cpu
@@ -124,14 +114,11 @@ def measure(kind: str, layers: int, microbatches: int, data_replicas: int) -> di
     cpu = time.process_time()
     concrete_evaluate = evaluate.get_concrete_function(data)
     evaluation_graph = concrete_evaluate.graph.as_graph_def()
-    if FLAGS.grappler_once and isinstance(model, OptimisedOnceSteps):
-        concrete_evaluate = optimised_once(concrete_evaluate)
     concrete_evaluate(data)
     first_evaluation_cpu_s = time.process_time() - cpu
     return {
         "benchmark": "startup",
         "kind": kind,
-        "grappler_once": FLAGS.grappler_once and kind != "one_device",
         "schedule": None if kind == "one_device" else FLAGS.schedule,
         "layers": layers,
         "microbatches": microbatches,
@@ -176,7 +163,7 @@ def _run_fresh(kind: str, layers: int, microbatches: int, data: int) -> dict:
     command = [sys.executable, os.path.abspath(__file__)]
     command += [f"--only={kind}:{layers}:{microbatches}:{data}"]
     command += [f"--num_devices={FLAGS.num_devices}", f"--batch_size={FLAGS.batch_size}"]
-    command += [f"--steady_steps={FLAGS.steady_steps}", f"--grappler_once={FLAGS.grappler_once}"]
+    command += [f"--steady_steps={FLAGS.steady_steps}"]
     command += [f"--schedule={FLAGS.schedule}"]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:

@@ -24,11 +24,11 @@ def _dense(units, seed, name, activation=None):
     )
 
 
-def built_sequential(seed=0) -> keras.Model:
+def built_sequential(seed=0, activation="tanh") -> keras.Model:
     """A Sequential with a known input shape: built, its weights already there."""
     return keras.Sequential(
         [keras.Input((FEATURES,))]
-        + [_dense(WIDTH, seed + i, f"hidden_{i}", "tanh") for i in range(3)]
+        + [_dense(WIDTH, seed + i, f"hidden_{i}", activation) for i in range(3)]
         + [_dense(OUTPUTS, seed + 9, "head")],
         name="built_sequential",
     )

@@ -165,16 +165,6 @@ def test_all_reduce_v2_sums_over_a_group():
     assert float(total(tf.constant(4.0))) == 4.0
 
 
-def test_function_call_config_is_set_inside_and_restored():
-    before = tf_internals.function_call_config()
-    config = tf_internals.function_call_config()
-    config.graph_options.rewrite_options.meta_optimizer_iterations = 1
-    with tf_internals.functions_called_with(config):
-        inside = tf_internals.function_call_config()
-        assert inside.graph_options.rewrite_options.meta_optimizer_iterations == 1
-    assert tf_internals.function_call_config() == before
-
-
 def test_is_stateful_tells_variable_ops_from_math():
     variable = tf.Variable(1.0)
 

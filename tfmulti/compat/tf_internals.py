@@ -2,22 +2,19 @@
 
 TensorFlow has no public way to record an op on the gradient tapes without the
 `IdentityN` of `tf.custom_gradient`, to run a collective all-reduce with explicit keys,
-to set the options of the functions a thread calls, to ask whether an op is stateful, or
-to give MultiWorkerMirroredStrategy more than one CPU device per worker. Each of these is
-a small function here; one whose private name is gone fails with one line naming the
-TensorFlow version (`MissingTensorFlowInternal`). `tests/test_compat_internals.py` calls
-each on the installed TensorFlow.
+to ask whether an op is stateful, or to give MultiWorkerMirroredStrategy more than one
+CPU device per worker. Each of these is a small function here; one whose private name is
+gone fails with one line naming the TensorFlow version (`MissingTensorFlowInternal`).
+`tests/test_compat_internals.py` calls each on the installed TensorFlow.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import tensorflow as tf
-from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.distribute import collective_all_reduce_strategy
-from tensorflow.python.eager import context, record
+from tensorflow.python.eager import record
 from tensorflow.python.ops import collective_ops
 
 from tfmulti.compat.tf_profiler import tensorflow_version
@@ -89,30 +86,6 @@ def all_reduce_v2(tensor: tf.Tensor, **kwargs) -> tf.Tensor:
     return _private(collective_ops, "all_reduce_v2", "collective_ops.all_reduce_v2")(
         tensor, **kwargs
     )
-
-
-# Function calls
-
-
-def function_call_config() -> config_pb2.ConfigProto:
-    """A copy of the config the calling thread passes to the functions it calls
-    (`context.context().function_call_options`, which has no public getter)."""
-    options = _private(context.context(), "function_call_options", "Context.function_call_options")
-    return config_pb2.ConfigProto.FromString(options.config_proto_serialized)
-
-
-@contextlib.contextmanager
-def functions_called_with(config: config_pb2.ConfigProto) -> Iterator[None]:
-    """Functions this thread calls (and traces) inside get `config`
-    (`context.FunctionCallOptions`)."""
-    ctx = context.context()
-    saved = _private(ctx, "function_call_options", "Context.function_call_options")
-    options = _private(context, "FunctionCallOptions", "context.FunctionCallOptions")
-    ctx.function_call_options = options(executor_type=saved.executor_type, config_proto=config)
-    try:
-        yield
-    finally:
-        ctx.function_call_options = saved
 
 
 def call_with_captures(function, args: Sequence[tf.Tensor], captures: Sequence[tf.Tensor]):

@@ -14,7 +14,6 @@ from tfmulti.compat.keras_whole_weights import variables_holding
 from tfmulti.hybrid.shared_schedule import SharedForward, SharedSchedule
 from tfmulti.pipeline.actions import Schedule
 from tfmulti.pipeline.runtime.executor import add_gradients
-from tfmulti.pipeline.runtime.grappler_iterations import OptimisedOnceSteps
 from tfmulti.pipeline.runtime.loss_shares import BatchTotals, batch_totals
 from tfmulti.pipeline.runtime.microbatches import (
     concat_microbatches,
@@ -28,7 +27,7 @@ from tfmulti.pipeline.stages.split_summary import placement_table
 from tfmulti.wrapped_model import WrappedModel
 
 
-class HybridPipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, keras.Model):
+class HybridPipelineModel(WrappedModel, ScheduledTrainStep, keras.Model):
     """A pipelined model copied into data-parallel replicas that train as one model.
 
     Each local replica is a `PipelineModel` on its own devices. A training step splits the

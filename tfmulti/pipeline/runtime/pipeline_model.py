@@ -16,7 +16,6 @@ from tfmulti.costing.cost_cache import CostCache, as_cost_cache
 from tfmulti.pipeline.actions import BACKWARD, WEIGHT_GRAD, Schedule
 from tfmulti.pipeline.dependencies import TimedAction
 from tfmulti.pipeline.runtime.executor import ScheduleExecutor, StepResult
-from tfmulti.pipeline.runtime.grappler_iterations import OptimisedOnceSteps
 from tfmulti.pipeline.runtime.looped_forward import forward_microbatches
 from tfmulti.pipeline.runtime.loss_shares import (
     BatchTotals,
@@ -48,7 +47,7 @@ from tfmulti.platform.runtime.devices import on_another_worker
 from tfmulti.wrapped_model import WrappedModel
 
 
-class PipelineModel(WrappedModel, OptimisedOnceSteps, ScheduledTrainStep, keras.Model):
+class PipelineModel(WrappedModel, ScheduledTrainStep, keras.Model):
     """A Keras model made of stages on several devices, trained by a pipeline schedule.
 
     Each training step splits the batch, of any size, into `num_microbatches` micro-batches
