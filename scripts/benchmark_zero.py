@@ -44,7 +44,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from tfmulti.flags.parsing import run_script  # noqa: E402
-from tfmulti.run.trace_events import host_events, newest_trace, op_events, step_spans  # noqa: E402
+from tfmulti.platform.runtime.trace_events import host_events, newest_trace, op_events, step_spans  # noqa: E402
 from tfmulti.zero.formulas import zero_state_bytes  # noqa: E402
 from tfmulti.zero.gather_overlap import gather_overlap, is_compute, is_gather  # noqa: E402
 

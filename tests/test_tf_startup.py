@@ -70,8 +70,9 @@ def test_filter_drops_startup_notices_and_passes_every_other_line(capfd):
 
 QUICK_EXIT_PROGRAM = r"""
 import atexit, os, sys, threading, time
+from tfmulti.platform.runtime.quick_exit import end_without_teardown, exit_code_will_be
+end_without_teardown()
 import h5py, numpy as np, tensorflow as tf
-from tfmulti.platform.runtime.quick_exit import exit_without_teardown
 
 out = sys.argv[1]
 # A user's leftovers at exit: a TensorBoard writer that never flushes by itself, a text
@@ -91,7 +92,8 @@ def late_writer():
 threading.Thread(target=late_writer).start()
 atexit.register(lambda: open(os.path.join(out, "atexit.txt"), "w").write("ran"))
 print("buffered", end="")
-exit_without_teardown(3)
+exit_code_will_be(3)
+sys.exit(3)
 """
 
 

@@ -286,7 +286,7 @@ def test_an_unknown_stage_or_stage_zero_is_refused_in_one_line():
 
 
 def test_gather_overlap_counts_gathering_beside_compute_on_other_threads():
-    from tfmulti.run.trace_events import TraceEvent
+    from tfmulti.platform.runtime.trace_events import TraceEvent
     from tfmulti.zero.gather_overlap import gather_overlap
 
     ops = [

@@ -13,6 +13,7 @@ from absl import app, flags
 from tfmulti.errors import Terminated
 from tfmulti.flags.help import install_help_flags
 from tfmulti.platform.launching.sigterm import sigterm_raises_terminated
+from tfmulti.platform.runtime.quick_exit import end_without_teardown, exit_code_will_be
 
 
 def parse_flags_or_exit(
@@ -70,12 +71,9 @@ def run_script(
             sys.exit(getattr(error, "exit_code", 1))
 
     parser = functools.partial(parse_flags_or_exit, usage=usage, module=module, title=title)
+    end_without_teardown()
     try:
         app.run(guarded_main, flags_parser=parser)
     except SystemExit as exit_request:
-        if "tensorflow" not in sys.modules:
-            raise
-        # Imported here: only a program that loaded TensorFlow pays for its teardown.
-        from tfmulti.platform.runtime.quick_exit import exit_code_of, exit_without_teardown
-
-        exit_without_teardown(exit_code_of(exit_request.code))
+        exit_code_will_be(exit_request.code)
+        raise

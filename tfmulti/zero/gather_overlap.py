@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from tfmulti.run.trace_events import TraceEvent
+from tfmulti.platform.runtime.trace_events import TraceEvent
 from tfmulti.zero.gather_on_read import BACKWARD_GATHER, FORWARD_GATHER
 
 COMPUTE_TYPES = ("MatMul", "Conv2D", "Conv")
