@@ -29,11 +29,8 @@ from tfmulti.compat.keras_internals import (
     own_trainable_variables,
     sublayers,
 )
+from tfmulti.zero.gather_overlap import BACKWARD_GATHER, FORWARD_GATHER
 from tfmulti.zero.sharded_weights import ShardedWeights
-
-# Name scopes of the gathers' ops, which a profile's op names carry (`gather_overlap`).
-FORWARD_GATHER = "zero_gather"
-BACKWARD_GATHER = "zero_regather"
 
 
 class GatherOnRead(keras.StatelessScope):

@@ -13,8 +13,10 @@ import re
 from collections.abc import Sequence
 
 from tfmulti.platform.runtime.trace_events import TraceEvent
-from tfmulti.zero.gather_on_read import BACKWARD_GATHER, FORWARD_GATHER
 
+# Name scopes of stage 3's gathers (`gather_on_read`), which a profile's op names carry.
+FORWARD_GATHER = "zero_gather"
+BACKWARD_GATHER = "zero_regather"
 COMPUTE_TYPES = ("MatMul", "Conv2D", "Conv")
 
 
