@@ -85,10 +85,15 @@ def gather_overlap(ops: Sequence[TraceEvent], span: tuple[float, float] | None =
     gathers = [op for op in ops if is_gather(op)]
     computes = [op for op in ops if is_compute(op)]
     gathering = sum(op.end - op.start for op in gathers)
-    overlapped = 0.0
-    for gather in gathers:
-        elsewhere = _union([(op.start, op.end) for op in computes if op.thread != gather.thread])
-        overlapped += _length(_intersection([(gather.start, gather.end)], elsewhere))
+    # Compute on threads other than each gather's, merged once per thread.
+    elsewhere = {
+        thread: _union([(op.start, op.end) for op in computes if op.thread != thread])
+        for thread in {op.thread for op in gathers}
+    }
+    overlapped = sum(
+        _length(_intersection([(gather.start, gather.end)], elsewhere[gather.thread]))
+        for gather in gathers
+    )
     return {
         "gather_ops": len(gathers),
         "regather_ops": sum(1 for op in gathers if is_regather(op)),
