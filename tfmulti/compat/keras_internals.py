@@ -263,6 +263,13 @@ def release_storage(variables) -> None:
         variable._value = None
 
 
+def share_storage(variable, source) -> None:
+    """Makes Keras `variable` read and write the `tf.Variable` behind `source`
+    (`Variable._value`), dropping its own (freed once nothing else refers to it)."""
+    _private(variable, "_value", "Variable._value")
+    variable._value = variable_storage(source)
+
+
 def restore_storage(variables, values, device: str) -> None:
     """Re-creates the storage `release_storage` dropped, from `values`, on `device`."""
     with tf.init_scope(), tf.device(device):

@@ -9,8 +9,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfmulti.collectives.worker_sums import WorkerCollectives
-from tfmulti.compat.keras_internals import variable_device
+from tfmulti.compat.keras_internals import variable_device, variable_storage
 from tfmulti.compat.keras_whole_weights import variables_holding
+from tfmulti.hybrid.data_owners import deal_owners, hold_owned_weights_only, same_storage
 from tfmulti.hybrid.shared_schedule import SharedForward, SharedSchedule
 from tfmulti.pipeline.actions import Schedule
 from tfmulti.pipeline.runtime.executor import add_gradients
@@ -113,44 +114,57 @@ class HybridPipelineModel(WrappedModel, ScheduledTrainStep, keras.Model):
         self._shared_schedule = SharedSchedule(self.replicas, loss_model=self)
         self._shared_forward = SharedForward(self.replicas)
         self.zero_stage = 0
+        self._owner_of_variable: list[int] | None = None
 
     def _use_xla(self, enabled: bool) -> None:
         """`compile(jit_compile=True)` compiles each copy's stages with XLA, each for its
-        own device (as `PipelineModel`)."""
+        own device (as `PipelineModel`); not under stage 3, whose stages read weights held
+        on other devices."""
+        if enabled and self.zero_stage == 3:
+            raise ValueError(
+                "XLA compiles a stage for one device, and under --zero=3 a stage reads "
+                "weights its data replica's owners hold on other devices. Received: "
+                "jit_compile=True; compile without it, or use --zero=2."
+            )
         for replica in self.replicas:
             replica.compile_stages_with_xla(enabled)
 
     @property
     def trainable_variables(self) -> list:
         """What the optimizer updates and holds slots for: replica 0's trainable variables,
-        or under `shard_optimizer_state` each variable's owner's copy (the other copies
-        take their values after each update)."""
+        or under `shard_over_data_axis` each variable's owner's copy (the other copies
+        take their values after each update, or under stage 3 read the owner's)."""
         variables = self.replicas[0].trainable_variables
         if not self.zero_stage or not variables:
             return variables
         return [
             self.replicas[owner].trainable_variables[index]
-            for index, owner in enumerate(self._owners(variables))
+            for index, owner in enumerate(self._owners())
         ]
 
-    def shard_optimizer_state(self, stage: int) -> None:
+    def shard_over_data_axis(self, stage: int) -> None:
         """ZeRO over the data axis: each variable's optimizer state and update live with one
-        data replica, its owner, instead of all on replica 0's devices.
+        data replica, its owner, instead of all on replica 0's devices; under stage 3 its
+        weights too.
 
-        Owners are dealt out by size, largest first, each to the replica owning the fewest
-        bytes so far (as PyTorch's `ZeroRedundancyOptimizer` partitions parameters); a
-        variable's gradient is summed on its owner's device, and its new value copied to
-        the other replicas. Stages 1 and 2 run alike here (each gradient is summed on its
-        owner as soon as every replica has it); stage 3 is refused: a pipeline's stages
-        read whole weights.
+        Owners are dealt out by size on each pipeline device (`data_owners.deal_owners`),
+        so every device of the mesh holds about 1/N of its stage's state; a variable's
+        gradient is summed on its owner's device. Stages 1 and 2 run alike here (each
+        gradient is summed on its owner as soon as every replica has it), and the owner's
+        new value is copied to the other replicas. Under stage 3 the owner holds the
+        variable's only storage: the other replicas' copies read it where it lives (a
+        stage's forward and backward on another replica receive it for that call and
+        drop it after, as FSDP's gathers), so no device keeps weights it does not own.
+        Call before the model's first call (which builds the replicas).
 
         Raises:
-            ValueError: in one line, for stage 3 or a data axis across workers.
+            ValueError: in one line, for a stage other than 1-3, a data axis across
+                workers, or stage 3 once the replicas are built.
         """
-        if stage not in (1, 2):
+        if stage not in (1, 2, 3):
             raise ValueError(
-                "--zero under --strategy=hybrid shards optimizer state and gradients over the "
-                f"data axis (stages 1-2); its stages keep whole weights. Received: --zero={stage}"
+                "--zero under --strategy=hybrid shards state over the data axis: stages "
+                f"1-3. Received: --zero={stage}"
             )
         if self.worker_collectives is not None:
             raise ValueError(
@@ -158,20 +172,38 @@ class HybridPipelineModel(WrappedModel, ScheduledTrainStep, keras.Model):
                 "program; use --cross_host_axis=pipe (or one host). Received: "
                 "--cross_host_axis=data"
             )
+        if stage == 3 and self._replicas_synced:
+            raise ValueError(
+                "shard_over_data_axis(3) shares each weight's storage between the replicas "
+                "as they are built, before any step is traced. Received: a model already "
+                "called; shard it before its first call."
+            )
         self.zero_stage = stage
 
-    def _owners(self, variables: list) -> list[int]:
-        """The data replica owning each of replica 0's `variables`, balanced by size."""
-        loads = [0] * len(self.replicas)
-        owners = [0] * len(variables)
-        by_size = sorted(
-            range(len(variables)), key=lambda k: -int(np.prod(variables[k].shape or (1,)))
-        )
-        for index in by_size:
-            owner = loads.index(min(loads))
-            owners[index] = owner
-            loads[owner] += int(np.prod(variables[index].shape or (1,)))
-        return owners
+    def _owners(self) -> list[int]:
+        """The data replica owning each of replica 0's trainable variables, dealt out once
+        (before stage 3 moves any copy's storage)."""
+        if self._owner_of_variable is None:
+            variables = self.replicas[0].trainable_variables
+            self._owner_of_variable = deal_owners(
+                [int(np.prod(v.shape or (1,))) for v in variables],
+                [variable_device(v) for v in variables],
+                len(self.replicas),
+            )
+        return self._owner_of_variable
+
+    def weight_storage(self) -> list:
+        """Every `tf.Variable` holding the replicas' weights, each once (under stage 3 a
+        weight's copies share their owner's): what `metrics.json`'s memory section counts."""
+        held, seen = [], set()
+        for replica in self.replicas:
+            for variable in replica.variables:
+                storage = variable_storage(variable)
+                storage = variable if storage is None else storage
+                if id(storage) not in seen:
+                    seen.add(id(storage))
+                    held.append(storage)
+        return held
 
     def compile(self, *args, **kwargs):
         super().compile(*args, **kwargs)
@@ -270,13 +302,32 @@ class HybridPipelineModel(WrappedModel, ScheduledTrainStep, keras.Model):
                 for variable, value in zip(source, values, strict=True):
                     variable.assign(value)
             self._copy_first_replica()
+        if self.zero_stage == 3:
+            self._hold_owned_weights_only()
         self._replicas_synced = True
+
+    def _hold_owned_weights_only(self) -> None:
+        """Stage 3: each replica's copy of a trainable variable reads its owner's storage
+        (refused, in one line, for stages split over tensor groups)."""
+        for stage in self.replicas[0].stages:
+            held_on = {variable_device(v) for v in stage.trainable_variables}
+            if len(held_on) > 1:
+                raise ValueError(
+                    f"--zero=3 under --strategy=hybrid reads each weight from its owner; "
+                    f"stage {stage.name!r} splits its weights over {len(held_on)} devices "
+                    "(a tensor group). Received: a mesh with tensor > 1; use --zero=2 or "
+                    "tensor=1."
+                )
+        hold_owned_weights_only(
+            [replica.trainable_variables for replica in self.replicas], self._owners()
+        )
 
     def _copy_first_replica(self) -> None:
         source = _held_variables(self.replicas[0])
         for replica in self.replicas[1:]:
             for variable, reference in zip(_held_variables(replica), source, strict=True):
-                variable.assign(reference.value)
+                if not same_storage(variable, reference):
+                    variable.assign(reference.value)
 
     def _step_totals(self, local: BatchTotals) -> BatchTotals:
         """The rows (and sample-weight sum) of the step's batch on every worker together."""
@@ -319,14 +370,14 @@ class HybridPipelineModel(WrappedModel, ScheduledTrainStep, keras.Model):
 
     def after_update(self) -> None:
         """Copies the updated trainable variables (replica 0's, or each one's owner's) into
-        the other copies, then
+        the other copies (none under stage 3: they read the owner's), then
         replaces each float non-trainable variable (e.g. BatchNorm's moving statistics),
         which each replica updated from its own rows, by its mean over all data replicas,
         so the copies stay identical."""
         updated = self.trainable_variables
         for replica in self.replicas:
             for variable, reference in zip(replica.trainable_variables, updated, strict=True):
-                if variable is not reference:
+                if variable is not reference and not same_storage(variable, reference):
                     variable.assign(reference)
         state = [
             [v for v in replica.non_trainable_variables if keras.backend.is_float_dtype(v.dtype)]

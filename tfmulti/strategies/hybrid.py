@@ -97,7 +97,7 @@ class Hybrid(TrainingStrategy):
         user's whole model; with `--zero`, its optimizer state sharded over the data axis."""
         model = self._build_replicas(source, config, context)
         if config.distribution.zero:
-            model.shard_optimizer_state(config.distribution.zero)
+            model.shard_over_data_axis(config.distribution.zero)
         return model
 
     def _build_replicas(
