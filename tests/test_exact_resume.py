@@ -74,13 +74,29 @@ STRATEGIES = {
         "--microbatches=2",
         "--schedule=1f1b",
     ),
+    # ZeRO-3 on a hybrid mesh: each weight and its Adam moments held by one data replica
+    # only, the other replica's copy reading it there.
+    "hybrid_zero3": (
+        "--strategy=hybrid",
+        "--mesh=data=2,pipe=2",
+        "--virtual_devices=4",
+        "--microbatches=2",
+        "--schedule=1f1b",
+        "--zero=3",
+    ),
     # ZeRO: weights and Adam's moments in blocks over the devices, saved whole.
     "mirrored_zero3": ("--strategy=mirrored", "--virtual_devices=2", "--zero=3"),
     "mirrored_zero1": ("--strategy=mirrored", "--virtual_devices=2", "--zero=1"),
 }
 # Each strategy is stopped once, by SIGKILL or by SIGTERM (both resume from a step checkpoint
 # that StepCheckpoint.save wrote): one_device by SIGKILL in the damaged-checkpoint test below.
-KILLED = ["mirrored_batchnorm", "keras_model_parallel", "hybrid_3d", "mirrored_zero3"]
+KILLED = [
+    "mirrored_batchnorm",
+    "keras_model_parallel",
+    "hybrid_3d",
+    "mirrored_zero3",
+    "hybrid_zero3",
+]
 PREEMPTED = ["pipeline", "model_parallel", "hybrid", "mirrored_zero1"]
 
 

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 from script_runner import USER_CODE_ENV, one_line_error, read_metrics, run_script
 
+from tfmulti.zero import zero_state_bytes
+
 USER_RUN = (
     "--model=zero_user_model:model",
     "--dataset=zero_user_model:data",
@@ -25,6 +27,18 @@ def _train(model_dir, *args):
 
 def _losses(metrics):
     return [epoch["loss"] for epoch in metrics["epochs"]]
+
+
+HYBRID_RUN = (
+    "--strategy=hybrid",
+    "--mesh=data=2,pipe=2",
+    "--virtual_devices=4",
+    "--microbatches=2",
+    "--partition=layers:odd_width",
+)
+# The user model's parameters by pipeline stage under HYBRID_RUN's partition: the embedding
+# (37x5), then the odd-width layer (30x13 + 13) and the head (13x3 + 3).
+STAGE_PARAMS = (37 * 5, 30 * 13 + 13 + 13 * 3 + 3)
 
 
 @pytest.fixture(scope="module")
@@ -50,16 +64,10 @@ def runs(tmp_path_factory):
         "--epochs=2",
         "--resume",
     )
-    hybrid = _train(
-        root / "hybrid",
-        "--strategy=hybrid",
-        "--mesh=data=2,pipe=2",
-        "--virtual_devices=4",
-        "--microbatches=2",
-        "--partition=layers:odd_width",
-        "--zero=2",
-        "--epochs=2",
-    )
+    hybrid = {
+        stage: _train(root / f"hybrid{stage}", *HYBRID_RUN, f"--zero={stage}", "--epochs=2")
+        for stage in (2, 3)
+    }
     return {"root": root, "one": one, "zero2": zero2, "resumed": resumed, "hybrid": hybrid}
 
 
@@ -70,7 +78,7 @@ def test_zero_from_the_script_trains_a_users_model_as_one_device(runs):
 def test_hybrid_mesh_with_zero_shards_optimizer_state_over_its_data_axis(runs):
     """data=2, pipe=2: each stage's variables are owned by one of its 2 data replicas, which
     alone holds their Adam moments; the run still trains as one device."""
-    hybrid = runs["hybrid"]
+    hybrid = runs["hybrid"][2]
     np.testing.assert_allclose(_losses(hybrid), _losses(runs["one"]), rtol=1e-5)
     optimizer = sorted(held["optimizer"] for held in hybrid["memory"].values())
     # AdamW's two float32 moments of each variable, on its owner: stage 0 holds the
@@ -123,17 +131,52 @@ def test_zero_with_a_strategy_it_cannot_serve_is_one_line(tmp_path):
     assert not os.listdir(tmp_path)
 
 
-def test_zero_three_under_hybrid_is_one_line(tmp_path):
+def test_hybrid_mesh_with_zero_three_holds_each_weight_once_and_trains_as_one_device(runs):
+    """data=2, pipe=2, --zero=3: each weight lives on its owner's device only (the other
+    data replica reads it from there), so the data replicas together hold one copy, half
+    of what zero=0's two copies hold; the run still trains as one device."""
+    hybrid = runs["hybrid"][3]
+    np.testing.assert_allclose(_losses(hybrid), _losses(runs["one"]), rtol=1e-5)
+    assert hybrid["run"]["parameters"] == sum(STAGE_PARAMS)
+    memory = {name[-5:]: held for name, held in hybrid["memory"].items()}
+    assert sorted(memory) == ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
+    # Replica r's stage s runs on CPU:(2r + s). ZeRO's formula for stage 3, N = 2: each
+    # data replica holds 4Ψ/2 bytes of weights, so both hold 4Ψ, half of zero=0's 2 x 4Ψ.
+    per_replica = zero_state_bytes(3, sum(STAGE_PARAMS), 2).weights
+    assert sum(held["weights"] for held in memory.values()) == 2 * per_replica
+    for stage, params in enumerate(STAGE_PARAMS):
+        # Each stage's weights once over its two devices: zero=0 holds 4 x params on each.
+        pair = [memory[f"CPU:{2 * replica + stage}"] for replica in (0, 1)]
+        assert sum(held["weights"] for held in pair) == 4 * params
+        # Adam's moments with the weights, by owner (whole variables, dealt by size).
+        for held in pair:
+            assert held["optimizer"] in (2 * held["weights"], 2 * held["weights"] + 12)
+    # Whole variables are dealt, not rows: stage 0's embedding goes to replica 1, stage
+    # 1's 30x13 kernel to replica 0 and the head's kernel and the biases to replica 1 (so
+    # each replica holds about half: 390 and 240 of the 630 parameters).
+    assert [memory[f"CPU:{index}"]["weights"] for index in range(4)] == [
+        0,
+        4 * 30 * 13,
+        4 * 37 * 5,
+        4 * (13 + 13 * 3 + 3),
+    ]
+
+
+def test_zero_under_hybrid_with_the_data_axis_across_workers_is_one_line(tmp_path):
+    """Refused before any worker is contacted (no other worker runs here)."""
     result = run_script(
         "train.py",
         "--strategy=hybrid",
-        "--mesh=data=2,pipe=2",
-        "--virtual_devices=4",
+        "--mesh=data=2,pipe=1",
         "--zero=3",
+        "--cross_host_axis=data",
+        "--worker_hosts=localhost:1,localhost:2",
+        "--task_index=0",
         f"--model_dir={tmp_path}",
     )
     line = one_line_error(result, 1)
-    assert "--zero under --strategy=hybrid shards optimizer state" in line and "--zero=3" in line
+    assert "needs the data replicas in the chief's program" in line
+    assert "--zero=3 with --cross_host_axis=data" in line
 
 
 def test_an_unknown_zero_stage_is_one_line(tmp_path):

@@ -12,6 +12,22 @@ from collections.abc import Hashable, Sequence
 from tfmulti.compat.keras_internals import share_storage, variable_storage
 
 
+def check_zero_stage(stage: int, data_axis_across_workers: bool) -> None:
+    """Raises a one-line ValueError unless ZeRO `stage` can shard a hybrid mesh's data axis:
+    stages 1-3, with every data replica in the chief's program."""
+    if stage not in (1, 2, 3):
+        raise ValueError(
+            "--zero under --strategy=hybrid shards state over the data axis: stages 1-3. "
+            f"Received: --zero={stage}"
+        )
+    if data_axis_across_workers:
+        raise ValueError(
+            "--zero under --strategy=hybrid needs the data replicas in the chief's program; "
+            f"use --cross_host_axis=pipe (or one host). Received: --zero={stage} with "
+            "--cross_host_axis=data"
+        )
+
+
 def deal_owners(sizes: Sequence[int], places: Sequence[Hashable], num_replicas: int) -> list[int]:
     """The data replica owning each variable, balanced by size on each pipeline device.
 

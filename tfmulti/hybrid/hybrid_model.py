@@ -11,7 +11,12 @@ import tensorflow as tf
 from tfmulti.collectives.worker_sums import WorkerCollectives
 from tfmulti.compat.keras_internals import variable_device, variable_storage
 from tfmulti.compat.keras_whole_weights import variables_holding
-from tfmulti.hybrid.data_owners import deal_owners, hold_owned_weights_only, same_storage
+from tfmulti.hybrid.data_owners import (
+    check_zero_stage,
+    deal_owners,
+    hold_owned_weights_only,
+    same_storage,
+)
 from tfmulti.hybrid.shared_schedule import SharedForward, SharedSchedule
 from tfmulti.pipeline.actions import Schedule
 from tfmulti.pipeline.runtime.executor import add_gradients
@@ -161,17 +166,7 @@ class HybridPipelineModel(WrappedModel, ScheduledTrainStep, keras.Model):
             ValueError: in one line, for a stage other than 1-3, a data axis across
                 workers, or stage 3 once the replicas are built.
         """
-        if stage not in (1, 2, 3):
-            raise ValueError(
-                "--zero under --strategy=hybrid shards state over the data axis: stages "
-                f"1-3. Received: --zero={stage}"
-            )
-        if self.worker_collectives is not None:
-            raise ValueError(
-                "--zero under --strategy=hybrid needs the data replicas in the chief's "
-                "program; use --cross_host_axis=pipe (or one host). Received: "
-                "--cross_host_axis=data"
-            )
+        check_zero_stage(stage, data_axis_across_workers=self.worker_collectives is not None)
         if stage == 3 and self._replicas_synced:
             raise ValueError(
                 "shard_over_data_axis(3) shares each weight's storage between the replicas "

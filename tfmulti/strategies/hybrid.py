@@ -46,6 +46,14 @@ class Hybrid(TrainingStrategy):
         # without its config, after this call.
         self._pipe_crosses_hosts = _pipe_crosses_hosts(config, cluster)
         self._cluster = cluster
+        if config.distribution.zero:
+            from tfmulti.hybrid.data_owners import check_zero_stage
+
+            # Before any worker connects: each worker would otherwise wait for the others.
+            check_zero_stage(
+                config.distribution.zero,
+                data_axis_across_workers=cluster is not None and not self._pipe_crosses_hosts,
+            )
         return cluster
 
     @property
