@@ -84,8 +84,9 @@ def define_device_flags() -> None:
         "zero",
         "0",
         ["0", "1", "2", "3"],
-        "ZeRO stage of mirrored or multi_worker data parallelism: 0 replicates all state, "
-        "1 shards optimizer state over the devices, 2 also gradients, 3 also weights.",
+        "ZeRO stage of mirrored, multi_worker or hybrid data parallelism: 0 replicates all "
+        "state, 1 shards optimizer state over the data-parallel devices, 2 also gradients, "
+        "3 also weights (under hybrid, by whole variables: each held by one data replica).",
     )
 
 
