@@ -7,9 +7,9 @@ variable reads where it lives (`hold_owned_weights_only`).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
-from tfmulti.compat.keras_internals import share_storage, variable_storage
+from tfmulti.compat.keras_internals import share_storage, variable_device, variable_storage
 
 
 def check_zero_stage(stage: int, data_axis_across_workers: bool) -> None:
@@ -63,19 +63,45 @@ def deal_owners(sizes: Sequence[int], places: Sequence[Hashable], num_replicas: 
     return owners
 
 
-def hold_owned_weights_only(copies: Sequence[Sequence], owners: Sequence[int]) -> None:
-    """Stage 3: every replica's copy of variable k reads its owner's storage, and gives up
-    its own (freed once nothing else refers to it).
+def hold_owned_weights_only(replicas: Sequence, owners: Sequence[int]) -> None:
+    """Stage 3: every replica's copy of trainable variable k reads its owner's storage, and
+    gives up its own (freed once nothing else refers to it).
 
     Args:
-        copies: per replica, its trainable variables (Keras variables), in one order.
-        owners: the owning replica of each variable, in that order.
+        replicas: the data replicas (`PipelineModel`s), built, with equal weights.
+        owners: the owning replica of each of their trainable variables, in their order.
+
+    Raises:
+        ValueError: in one line, for a stage whose weights span several devices (a tensor
+            group): its traced functions place their reads themselves.
     """
+    for stage in replicas[0].stages:
+        held_on = {variable_device(v) for v in stage.trainable_variables}
+        if len(held_on) > 1:
+            raise ValueError(
+                f"--zero=3 under --strategy=hybrid reads each weight from its owner; stage "
+                f"{stage.name!r} splits its weights over {len(held_on)} devices (a tensor "
+                "group). Received: a mesh with tensor > 1; use --zero=2 or tensor=1."
+            )
+    copies = [replica.trainable_variables for replica in replicas]
     for index, owner in enumerate(owners):
         held = copies[owner][index]
         for replica in copies:
             if replica[index] is not held:
                 share_storage(replica[index], held)
+
+
+def distinct_storage(variables: Iterable) -> list:
+    """The `tf.Variable`s behind `variables`, each once (a variable without Keras storage
+    stands for itself)."""
+    held, seen = [], set()
+    for variable in variables:
+        storage = variable_storage(variable)
+        storage = variable if storage is None else storage
+        if id(storage) not in seen:
+            seen.add(id(storage))
+            held.append(storage)
+    return held
 
 
 def same_storage(variable, other) -> bool:

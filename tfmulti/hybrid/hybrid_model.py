@@ -9,11 +9,12 @@ import numpy as np
 import tensorflow as tf
 
 from tfmulti.collectives.worker_sums import WorkerCollectives
-from tfmulti.compat.keras_internals import variable_device, variable_storage
+from tfmulti.compat.keras_internals import variable_device
 from tfmulti.compat.keras_whole_weights import variables_holding
 from tfmulti.hybrid.data_owners import (
     check_zero_stage,
     deal_owners,
+    distinct_storage,
     hold_owned_weights_only,
     same_storage,
 )
@@ -190,15 +191,7 @@ class HybridPipelineModel(WrappedModel, ScheduledTrainStep, keras.Model):
     def weight_storage(self) -> list:
         """Every `tf.Variable` holding the replicas' weights, each once (under stage 3 a
         weight's copies share their owner's): what `metrics.json`'s memory section counts."""
-        held, seen = [], set()
-        for replica in self.replicas:
-            for variable in replica.variables:
-                storage = variable_storage(variable)
-                storage = variable if storage is None else storage
-                if id(storage) not in seen:
-                    seen.add(id(storage))
-                    held.append(storage)
-        return held
+        return distinct_storage(v for replica in self.replicas for v in replica.variables)
 
     def compile(self, *args, **kwargs):
         super().compile(*args, **kwargs)
@@ -298,24 +291,8 @@ class HybridPipelineModel(WrappedModel, ScheduledTrainStep, keras.Model):
                     variable.assign(value)
             self._copy_first_replica()
         if self.zero_stage == 3:
-            self._hold_owned_weights_only()
+            hold_owned_weights_only(self.replicas, self._owners())
         self._replicas_synced = True
-
-    def _hold_owned_weights_only(self) -> None:
-        """Stage 3: each replica's copy of a trainable variable reads its owner's storage
-        (refused, in one line, for stages split over tensor groups)."""
-        for stage in self.replicas[0].stages:
-            held_on = {variable_device(v) for v in stage.trainable_variables}
-            if len(held_on) > 1:
-                raise ValueError(
-                    f"--zero=3 under --strategy=hybrid reads each weight from its owner; "
-                    f"stage {stage.name!r} splits its weights over {len(held_on)} devices "
-                    "(a tensor group). Received: a mesh with tensor > 1; use --zero=2 or "
-                    "tensor=1."
-                )
-        hold_owned_weights_only(
-            [replica.trainable_variables for replica in self.replicas], self._owners()
-        )
 
     def _copy_first_replica(self) -> None:
         source = _held_variables(self.replicas[0])
