@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from warm_start import WarmServer
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(REPO_ROOT, "scripts", "launch.py")
 
@@ -31,11 +33,18 @@ def script_environment() -> dict:
     return {name: value for name, value in os.environ.items() if name != "TF_CPP_MIN_LOG_LEVEL"}
 
 
+_WARM = WarmServer(script_environment())
+
+
 def run_script(script: str, *args: str, timeout: float = 300, env: dict | None = None):
-    """Runs `python scripts/<script> args...`; returns the CompletedProcess (text mode)."""
+    """Runs `python scripts/<script> args...`; returns the CompletedProcess (text mode).
+
+    The run is forked by tests/warm_start.py's server, with TensorFlow imported already,
+    where that is the same as a fresh start; else it is a plain `python` process."""
     full_env = {**script_environment(), **(env or {})}
+    path = os.path.join(REPO_ROOT, "scripts", script)
     return subprocess.run(
-        [sys.executable, os.path.join(REPO_ROOT, "scripts", script), *args],
+        _WARM.command(path, args, full_env) or [sys.executable, path, *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
