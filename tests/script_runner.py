@@ -36,6 +36,13 @@ def script_environment() -> dict:
 _WARM = WarmServer(script_environment())
 
 
+def warm_when_possible(argv: list[str], env: dict) -> list[str]:
+    """`argv` (`python path/script.py args...`) as a warm run where one starts as fresh."""
+    if len(argv) < 2 or argv[0] != sys.executable or not argv[1].endswith(".py"):
+        return argv
+    return _WARM.command(argv[1], tuple(argv[2:]), env) or argv
+
+
 def run_script(script: str, *args: str, timeout: float = 300, env: dict | None = None):
     """Runs `python scripts/<script> args...`; returns the CompletedProcess (text mode).
 
@@ -44,7 +51,7 @@ def run_script(script: str, *args: str, timeout: float = 300, env: dict | None =
     full_env = {**script_environment(), **(env or {})}
     path = os.path.join(REPO_ROOT, "scripts", script)
     return subprocess.run(
-        _WARM.command(path, args, full_env) or [sys.executable, path, *args],
+        warm_when_possible([sys.executable, path, *args], full_env),
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

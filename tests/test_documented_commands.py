@@ -32,7 +32,7 @@ import subprocess
 import sys
 
 import pytest
-from script_runner import REPO_ROOT, read_metrics, script_environment
+from script_runner import REPO_ROOT, read_metrics, script_environment, warm_when_possible
 from test_every_script_runs import RUNS, SMALLEST, assert_valid_png, json_values
 from test_train_script_hybrid import (
     MESH_3D_LAUNCH,
@@ -329,10 +329,11 @@ def test_documented_commands_run_at_their_smallest_size(where, commands, tmp_pat
         (tmp_path / path).write_text(text)
     for command in _runs(commands):
         additions, argv = shrink(command)
+        env = {**script_environment(), **additions}
         result = subprocess.run(
-            argv,
+            warm_when_possible(argv, env),
             cwd=tmp_path,
-            env={**script_environment(), **additions},
+            env=env,
             capture_output=True,
             text=True,
             timeout=900,

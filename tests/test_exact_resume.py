@@ -11,7 +11,14 @@ import time
 import h5py
 import numpy as np
 import pytest
-from script_runner import REPO_ROOT, USER_CODE_ENV, read_metrics, run_script
+from script_runner import (
+    REPO_ROOT,
+    USER_CODE_ENV,
+    read_metrics,
+    run_script,
+    script_environment,
+    warm_when_possible,
+)
 
 # Step checkpoints every 3 steps in epochs of 20: a kill after the first (or second) one
 # lands well inside epoch 1, with steps left for the resumed run to train.
@@ -126,9 +133,9 @@ def assert_same_run(model_dir: str, reference_dir: str) -> None:
 
 def start_training(*args: str) -> subprocess.Popen:
     command = [sys.executable, os.path.join(REPO_ROOT, "scripts", "train.py"), *args]
-    environment = {**os.environ, **USER_CODE_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    environment = {**script_environment(), **USER_CODE_ENV}
     return subprocess.Popen(
-        command,
+        warm_when_possible(command, environment),
         cwd=REPO_ROOT,
         env=environment,
         stdout=subprocess.DEVNULL,
