@@ -154,3 +154,11 @@ def test_a_killed_client_takes_its_run_with_it(probe):
 )
 def test_runs_go_cold_where_a_fork_would_not_start_fresh(script, args, env, warm):
     assert can_run_warm(script, args, {"A": "1", **env}, {"A": "1"}) is warm
+
+
+def test_a_client_whose_server_is_gone_runs_the_script_cold(probe, tmp_path):
+    command = _warm(probe, "exit", "7")
+    command[command.index("run") + 1] = str(tmp_path / "no-server")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 7
+    assert "running cold" in result.stderr

@@ -82,6 +82,8 @@ class WarmServer:
             return None
         if self.process is None:
             self._start()
+        elif self.process.poll() is not None:
+            self.failed = True  # the server died: later runs start cold
         if self.failed:
             return None
         return [
@@ -158,7 +160,11 @@ def run_client(socket_path: str, argv: list[str]) -> None:
     """Asks the server for a run of `argv` with this process's streams, environment and
     directory; forwards signals to it; exits with its code, or dies of its signal."""
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    connection.connect(socket_path)
+    try:
+        connection.connect(socket_path)
+    except OSError as error:  # the server is gone: the run starts cold instead
+        sys.stderr.write(f"warm_start: no server at {socket_path} ({error}); running cold\n")
+        os.execv(sys.executable, [sys.executable, *argv])
     request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}
     _send(connection, request, [0, 1, 2])
     for number in FORWARDED_SIGNALS:
