@@ -147,11 +147,14 @@ def test_learning_rate_setting_keeps_the_schedule():
 
 def test_tape_recording_functions():
     x = tf.constant(2.0)
+    assert not tf_internals.any_tape_recording()
     with tf.GradientTape() as tape:
         tape.watch(x)
+        assert tf_internals.any_tape_recording()
         assert tf_internals.should_record_backprop([x])
         with tf_internals.stop_recording():
             assert not tf_internals.should_record_backprop([x])
+            assert not tf_internals.any_tape_recording()
         y = x * 1.0
         tf_internals.record_operation("triple", [y], [x], lambda dy: [3.0 * dy])
     assert float(tape.gradient(y, x)) == 3.0

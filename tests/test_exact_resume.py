@@ -20,6 +20,8 @@ from script_runner import (
     warm_when_possible,
 )
 
+from tfmulti.zero import zero_state_bytes
+
 # Step checkpoints every 3 steps in epochs of 20: a kill after the first (or second) one
 # lands well inside epoch 1, with steps left for the resumed run to train.
 STEPS_PER_EPOCH = 20
@@ -35,6 +37,15 @@ RUN = (
     "--learning_rate=0.01",
     "--log_steps=0",
     f"--checkpoint_steps={CHECKPOINT_STEPS}",
+)
+# The small Transformer of the 3D mesh's run (and of the one-device run it equals).
+TRANSFORMER = (
+    "--model=transformer",
+    "--model_option=num_layers=2",
+    "--model_option=num_heads=2",
+    "--model_option=d_model=16",
+    "--dataset=tokens",
+    "--steps_per_epoch=10",
 )
 
 STRATEGIES = {
@@ -57,22 +68,20 @@ STRATEGIES = {
         "--virtual_devices=4",
         "--mesh=data=2,tensor=2",
     ),
-    # A 3D mesh: tensor groups inside pipeline stages inside data replicas, each with its
-    # own weights' shards and Adam slots; the loop's micro-batch state resumes too. Its
-    # steps are slow (a 3D schedule's many ops), so a small Transformer and epochs of 10
-    # steps still leave the kill after step 3 a second's margin inside epoch 1.
-    "hybrid_3d": (
+    # A 3D mesh under ZeRO-3: tensor groups inside pipeline stages inside data replicas,
+    # each shard of a split weight (and each whole weight) and its Adam moments held by one
+    # data replica only, the other replica's copy reading it there; the loop's micro-batch
+    # state resumes too. Its steps are slow (a 3D schedule's many ops), so a small
+    # Transformer and epochs of 10 steps still leave the kill after step 3 a second's
+    # margin inside epoch 1.
+    "hybrid_3d_zero3": (
         "--strategy=hybrid",
         "--mesh=data=2,pipe=2,tensor=2",
         "--virtual_devices=8",
         "--microbatches=2",
         "--schedule=1f1b",
-        "--model=transformer",
-        "--model_option=num_layers=2",
-        "--model_option=num_heads=2",
-        "--model_option=d_model=16",
-        "--dataset=tokens",
-        "--steps_per_epoch=10",
+        "--zero=3",
+        *TRANSFORMER,
     ),
     "hybrid": (
         "--strategy=hybrid",
@@ -80,16 +89,6 @@ STRATEGIES = {
         "--virtual_devices=4",
         "--microbatches=2",
         "--schedule=1f1b",
-    ),
-    # ZeRO-3 on a hybrid mesh: each weight and its Adam moments held by one data replica
-    # only, the other replica's copy reading it there.
-    "hybrid_zero3": (
-        "--strategy=hybrid",
-        "--mesh=data=2,pipe=2",
-        "--virtual_devices=4",
-        "--microbatches=2",
-        "--schedule=1f1b",
-        "--zero=3",
     ),
     # ZeRO: weights and Adam's moments in blocks over the devices, saved whole.
     "mirrored_zero3": ("--strategy=mirrored", "--virtual_devices=2", "--zero=3"),
@@ -100,9 +99,8 @@ STRATEGIES = {
 KILLED = [
     "mirrored_batchnorm",
     "keras_model_parallel",
-    "hybrid_3d",
+    "hybrid_3d_zero3",
     "mirrored_zero3",
-    "hybrid_zero3",
 ]
 PREEMPTED = ["pipeline", "model_parallel", "hybrid", "mirrored_zero1"]
 
@@ -200,6 +198,42 @@ def test_run_killed_mid_epoch_resumes_at_the_exact_step_with_the_uninterrupted_w
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_resumed_once_at_a_step_checkpoint_of_epoch_1(model_dir, resumed)
     assert_same_run(model_dir, uninterrupted(strategy))
+
+
+def test_3d_mesh_at_zero_three_trains_as_one_device_holding_each_weight_once(
+    uninterrupted, shared_dir
+):
+    """data=2, pipe=2, tensor=2, --zero=3 (the uninterrupted run above): the losses are one
+    device's, and the weights are held once over the data axis, each data replica about
+    half of them (ZeRO's 4Ψ/N), where zero=0 holds them twice."""
+
+    def fill(model_dir: str) -> None:
+        result = run_script(
+            "train.py", *RUN, *TRANSFORMER, "--strategy=one_device", f"--model_dir={model_dir}"
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    reference = read_metrics(shared_dir("exact_resume-one_device_transformer", fill))
+    metrics = read_metrics(uninterrupted("hybrid_3d_zero3"))
+    for epoch, expected in zip(metrics["epochs"], reference["epochs"], strict=True):
+        assert epoch["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+        assert epoch["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
+    params = metrics["run"]["parameters"]
+    assert params == reference["run"]["parameters"]
+    held = {int(name.rsplit(":", 1)[-1]): entry for name, entry in metrics["memory"].items()}
+    assert sorted(held) == list(range(8))
+    # Replica r's stage s, tensor rank k on CPU:(4r + 2s + k).
+    replicas = [
+        sum(held[4 * replica + place]["weights"] for place in range(4)) for replica in (0, 1)
+    ]
+    assert sum(replicas) == 4 * params
+    for replica_bytes in replicas:
+        assert replica_bytes == pytest.approx(zero_state_bytes(3, params, 2).weights, rel=0.05)
+    for place in range(4):
+        pair = [held[place]["weights"], held[place + 4]["weights"]]
+        assert min(pair) > 0.35 * sum(pair), (place, pair)
+    for entry in held.values():
+        assert entry["optimizer"] in (2 * entry["weights"], 2 * entry["weights"] + 12)
 
 
 def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_in_one_line(

@@ -179,6 +179,21 @@ def test_zero_under_hybrid_with_the_data_axis_across_workers_is_one_line(tmp_pat
     assert "--zero=3 with --cross_host_axis=data" in line
 
 
+def test_zero_three_with_xla_under_hybrid_is_one_line(tmp_path):
+    # XLA compiles a stage for one device and cannot read a weight its owner holds on another.
+    result = run_script(
+        "train.py",
+        "--strategy=hybrid",
+        "--mesh=data=2,pipe=2",
+        "--zero=3",
+        "--jit_compile",
+        f"--model_dir={tmp_path}",
+    )
+    line = one_line_error(result, 2)
+    assert "--zero=3 under --strategy=hybrid does not go with --jit_compile" in line
+    assert not os.listdir(tmp_path)
+
+
 def test_an_unknown_zero_stage_is_one_line(tmp_path):
     result = run_script("train.py", "--zero=4", f"--model_dir={tmp_path}")
     line = one_line_error(result, 2)

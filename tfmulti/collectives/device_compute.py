@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
+from tfmulti.compat import tf_internals
+
 
 def run_on_device(device: str, function: Callable, *inputs: tf.Tensor):
     """Returns `function(*inputs)` computed on `device`, whose gradients are computed there too.
@@ -13,8 +15,11 @@ def run_on_device(device: str, function: Callable, *inputs: tf.Tensor):
     A `tf.GradientTape` places gradient ops by the device scope of the `gradient()` call
     (Keras: none), not by their forward op's device, so without this a shard's backward
     would run on the default device. Here the forward is recorded on an inner tape and
-    the backward replays it under `tf.device(device)`. Eager calls (debugging, tests)
-    just run on the device; only traced functions need the placed backward.
+    the backward replays it under `tf.device(device)`. Eager calls (debugging, tests) and
+    traces no tape records (a symbolic build, a forward-only call) just run on the device:
+    a traced `tf.custom_gradient` registers its backward with TensorFlow for the life of
+    the process, keeping every variable the function read (a ZeRO-3 copy's dropped
+    storage would never be freed).
 
     Args:
         device: where the computation and its backward run.
@@ -25,7 +30,7 @@ def run_on_device(device: str, function: Callable, *inputs: tf.Tensor):
     Example:
         >>> y = run_on_device("/CPU:1", lambda x: x * 2.0, tf.ones(3))
     """
-    if tf.executing_eagerly():
+    if tf.executing_eagerly() or not tf_internals.any_tape_recording():
         with tf.device(device):
             return function(*inputs)
 

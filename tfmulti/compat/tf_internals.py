@@ -59,6 +59,12 @@ def stop_recording():
     return _private(record, "stop_recording", "eager.record.stop_recording")()
 
 
+def any_tape_recording() -> bool:
+    """Whether a gradient tape is active here, whatever it watches
+    (`record.could_possibly_record`)."""
+    return _private(record, "could_possibly_record", "eager.record.could_possibly_record")()
+
+
 def should_record_backprop(tensors: Sequence[tf.Tensor]) -> bool:
     """Whether an active gradient tape watches one of `tensors`
     (`record.should_record_backprop`)."""

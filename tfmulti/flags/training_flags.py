@@ -86,7 +86,8 @@ def define_device_flags() -> None:
         ["0", "1", "2", "3"],
         "ZeRO stage of mirrored, multi_worker or hybrid data parallelism: 0 replicates all "
         "state, 1 shards optimizer state over the data-parallel devices, 2 also gradients, "
-        "3 also weights (under hybrid, by whole variables: each held by one data replica).",
+        "3 also weights (under hybrid, by whole variables, with tensor > 1 by tensor shards: "
+        "each held by one data replica, the others reading it there; not with --jit_compile).",
     )
 
 
@@ -505,6 +506,17 @@ def define_train_flags() -> None:
         ),
         message="--jit_compile does not go with a --mesh of tensor > 1 (XLA compiles a stage "
         "for one device, a tensor group spans several); drop --jit_compile or use tensor=1",
+    )
+    flags.register_multi_flags_validator(
+        ["strategy", "zero", "jit_compile"],
+        lambda values: (
+            not values["jit_compile"]
+            or values["strategy"] != HYBRID_STRATEGY_NAME
+            or values["zero"] != "3"
+        ),
+        message="--zero=3 under --strategy=hybrid does not go with --jit_compile (XLA compiles "
+        "a stage for one device, and a stage reads weights their owner data replicas hold on "
+        "other devices); drop --jit_compile or use --zero=2",
     )
     flags.register_multi_flags_validator(
         ["tensor_reduce", "jit_compile"],

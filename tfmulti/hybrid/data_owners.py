@@ -2,14 +2,16 @@
 
 The owner holds the variable's optimizer state and updates it (stages 1-2); under stage 3
 it also holds the variable's only storage, which every other replica's copy of the
-variable reads where it lives (`hold_owned_weights_only`).
+variable reads where it lives (`hold_owned_weights_only`). With tensor > 1 each shard of
+a split weight is a variable of its own, on its replica's device for its stage and tensor
+rank, so shards are owned, held and read one by one, as whole weights are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-from tfmulti.compat.keras_internals import share_storage, variable_device, variable_storage
+from tfmulti.compat.keras_internals import share_storage, variable_storage
 
 
 def check_zero_stage(stage: int, data_axis_across_workers: bool) -> None:
@@ -31,15 +33,16 @@ def check_zero_stage(stage: int, data_axis_across_workers: bool) -> None:
 def deal_owners(sizes: Sequence[int], places: Sequence[Hashable], num_replicas: int) -> list[int]:
     """The data replica owning each variable, balanced by size on each pipeline device.
 
-    Variables of one place (a pipeline device: a stage, or a device's chunks) are dealt
-    out largest first, each to the replica owning the fewest elements of that place so
-    far, ties going to the replica owning the fewest elements overall, then the lowest
-    index (PyTorch's `ZeroRedundancyOptimizer` deals all parameters this way; per place,
-    every device of the mesh gets about 1/N of its stage's state).
+    Variables of one place (a pipeline device: a stage, or a device's chunks; with tensor >
+    1, a stage's device for one tensor rank) are dealt out largest first, each to the
+    replica owning the fewest elements of that place so far, ties going to the replica
+    owning the fewest elements overall, then the lowest index (PyTorch's
+    `ZeroRedundancyOptimizer` deals all parameters this way; per place, every device of the
+    mesh gets about 1/N of its place's state).
 
     Args:
         sizes: each variable's number of elements.
-        places: each variable's pipeline device (any hashable key).
+        places: each variable's device in replica 0 (any hashable key).
         num_replicas: N, the data replicas.
 
     Example:
@@ -67,22 +70,17 @@ def hold_owned_weights_only(replicas: Sequence, owners: Sequence[int]) -> None:
     """Stage 3: every replica's copy of trainable variable k reads its owner's storage, and
     gives up its own (freed once nothing else refers to it).
 
+    A tensor shard's copies read the owner's shard, on the owner's device for the same
+    stage and tensor rank. A stage split over a tensor group traces its own functions on
+    each replica (its ops are pinned to the replica's devices), and TensorFlow's placer
+    runs a read of a variable on the variable's device whatever device the read was
+    pinned to, so the value is read on the owner's device and sent to the reader's.
+    Called before any step is traced, so no traced function keeps a dropped variable.
+
     Args:
         replicas: the data replicas (`PipelineModel`s), built, with equal weights.
         owners: the owning replica of each of their trainable variables, in their order.
-
-    Raises:
-        ValueError: in one line, for a stage whose weights span several devices (a tensor
-            group): its traced functions place their reads themselves.
     """
-    for stage in replicas[0].stages:
-        held_on = {variable_device(v) for v in stage.trainable_variables}
-        if len(held_on) > 1:
-            raise ValueError(
-                f"--zero=3 under --strategy=hybrid reads each weight from its owner; stage "
-                f"{stage.name!r} splits its weights over {len(held_on)} devices (a tensor "
-                "group). Received: a mesh with tensor > 1; use --zero=2 or tensor=1."
-            )
     copies = [replica.trainable_variables for replica in replicas]
     for index, owner in enumerate(owners):
         held = copies[owner][index]

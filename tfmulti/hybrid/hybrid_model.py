@@ -153,15 +153,17 @@ class HybridPipelineModel(WrappedModel, ScheduledTrainStep, keras.Model):
         data replica, its owner, instead of all on replica 0's devices; under stage 3 its
         weights too.
 
-        Owners are dealt out by size on each pipeline device (`data_owners.deal_owners`),
-        so every device of the mesh holds about 1/N of its stage's state; a variable's
-        gradient is summed on its owner's device. Stages 1 and 2 run alike here (each
+        Owners are dealt out by size on each pipeline device, with tensor > 1 on each of
+        a stage's tensor devices, shard by shard (`data_owners.deal_owners`), so every
+        device of the mesh holds about 1/N of its place's state; a variable's gradient is
+        summed on its owner's device. Stages 1 and 2 run alike here (each
         gradient is summed on its owner as soon as every replica has it), and the owner's
         new value is copied to the other replicas. Under stage 3 the owner holds the
         variable's only storage: the other replicas' copies read it where it lives (a
         stage's forward and backward on another replica receive it for that call and
-        drop it after, as FSDP's gathers), so no device keeps weights it does not own.
-        Call before the model's first call (which builds the replicas).
+        drop it after, as FSDP's gathers), so no device keeps weights it does not own
+        (a tensor shard is read from the owner's device for the same stage and tensor
+        rank). Call before the model's first call (which builds the replicas).
 
         Raises:
             ValueError: in one line, for a stage other than 1-3, a data axis across
@@ -178,7 +180,7 @@ class HybridPipelineModel(WrappedModel, ScheduledTrainStep, keras.Model):
 
     def _owners(self) -> list[int]:
         """The data replica owning each of replica 0's trainable variables, dealt out once
-        (before stage 3 moves any copy's storage)."""
+        (before stage 3 moves any copy's storage) on each of replica 0's devices."""
         if self._owner_of_variable is None:
             variables = self.replicas[0].trainable_variables
             self._owner_of_variable = deal_owners(
