@@ -196,3 +196,14 @@ def test_multi_worker_strategy_on_logical_cpus_extends_the_strategy_class():
 def test_step_trace_accepts_the_root_flag():
     with tf_internals.step_trace("train", 3):
         tf.constant(1.0) + 1.0
+
+
+def test_stop_peer_preemption_watcher_calls_the_handlers_own_stop():
+    # A handler with no watcher thread (as on one process): the stop does nothing. A multi-
+    # worker run ending it: tests/test_train_script_parallel.py, a worker that ends after
+    # the chief.
+    handler_class = tf.distribute.experimental.PreemptionCheckpointHandler
+    handler = handler_class.__new__(handler_class)
+    tf_internals.stop_peer_preemption_watcher(handler)
+    with pytest.raises(tf_internals.MissingTensorFlowInternal, match=tf.__version__):
+        tf_internals.stop_peer_preemption_watcher(object())

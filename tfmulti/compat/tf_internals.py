@@ -148,3 +148,22 @@ def step_trace(name: str, step: int) -> tf.profiler.experimental.Trace:
     """A profiler trace event marking one training step, with the private root flag
     (`_r=1`) TensorBoard's profile step view needs; Keras' own callback omits it."""
     return tf.profiler.experimental.Trace(name, step_num=step, _r=1)
+
+
+# Preemption
+
+
+def stop_peer_preemption_watcher(
+    handler: tf.distribute.experimental.PreemptionCheckpointHandler,
+) -> None:
+    """Ends, and waits for, the thread of a multi-worker `PreemptionCheckpointHandler` that
+    waits on the coordination service for a peer's preemption
+    (`PreemptionCheckpointHandler._stop_cluster_wise_termination_watcher_thread`, which sets
+    the key the thread waits for, on every worker's behalf, then joins it). TensorFlow calls
+    it on preemption and in the handler's `__del__`, which never runs while that thread holds
+    the handler. Calling it again, or on one process (no thread), does nothing."""
+    _private(
+        handler,
+        "_stop_cluster_wise_termination_watcher_thread",
+        "PreemptionCheckpointHandler._stop_cluster_wise_termination_watcher_thread",
+    )()

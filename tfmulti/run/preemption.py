@@ -29,6 +29,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tfmulti.compat import tf_internals
 from tfmulti.errors import Preempted, Terminated
 from tfmulti.platform.launching.sigterm import on_main_thread
 from tfmulti.platform.runtime.connected_cluster import serving_worker_got_sigterm
@@ -114,6 +115,13 @@ class SaveOnPreemption(keras.callbacks.Callback):
             self._raise(epoch + 1, 0, self.step_checkpoint.last_saved)
 
     def on_train_end(self, logs=None):
+        # Each worker's handler has a thread waiting on the chief's coordination service for
+        # a peer's preemption; one still waiting when the chief's process ends fails with a
+        # traceback. Every worker ends its own here, before the final evaluation, whose
+        # collectives the chief cannot finish without them: so none waits past the chief.
+        # (A failed `fit` leaves it: peers may be gone, and the process ends soon.)
+        if self._handler is not None:
+            tf_internals.stop_peer_preemption_watcher(self._handler)
         self.release()
 
     def _save(self) -> None:
