@@ -96,3 +96,19 @@ def test_copy_model_keeps_the_architecture_and_layer_names_not_the_weights():
     assert [layer.name for layer in copied.layers] == [layer.name for layer in model.layers]
     assert [w.shape for w in copied.weights] == [w.shape for w in model.weights]
     assert all(a is not b for a, b in zip(copied.weights, model.weights, strict=True))
+
+
+def test_copy_model_keeps_a_layer_shared_by_a_nested_model_and_its_outer_model_one_layer():
+    # A backbone's embedding reused outside it (a tied output projection, as KerasHub's
+    # GPT-2 reuses `token_embedding`): the copy must hold it once, tied as in the model.
+    tokens = keras.Input((4,), dtype="int32")
+    embedding = keras.layers.Embedding(10, 3, name="token_embedding")
+    backbone = keras.Model(tokens, keras.layers.Dense(3, name="mix")(embedding(tokens)))
+    outer_tokens = keras.Input((4,), dtype="int32")
+    hidden = backbone(outer_tokens)
+    model = keras.Model(outer_tokens, keras.layers.Add()([hidden, embedding(outer_tokens)]))
+    copied = copy_model(model)
+    assert len(copied.weights) == len(model.weights) == 3
+    (inner,) = [layer for layer in copied.layers if isinstance(layer, keras.Model)]
+    (outer,) = [layer for layer in copied.layers if layer.name == "token_embedding"]
+    assert outer is inner.get_layer("token_embedding") and outer is not embedding

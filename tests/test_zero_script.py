@@ -270,3 +270,8 @@ def test_a_keras_hub_gpt2_with_tied_embedding_trains_under_zero3_as_on_one_devic
     one = losses("one", "--strategy=one_device")
     zero3 = losses("zero3", "--strategy=mirrored", "--virtual_devices=2", "--zero=3")
     np.testing.assert_allclose(zero3, one, rtol=1e-5)
+    # Under a hybrid mesh each data replica is a copy of the model: the embedding reused
+    # outside its backbone must stay one weight in the copy (it was two, untied).
+    mesh = ("--strategy=hybrid", "--mesh=data=2,pipe=2", "--virtual_devices=4")
+    hybrid3 = losses("hybrid3", *mesh, "--microbatches=2", "--zero=3")
+    np.testing.assert_allclose(hybrid3, one, rtol=1e-5)

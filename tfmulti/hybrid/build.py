@@ -245,11 +245,13 @@ def _hybrid_of_pipelines(
 def copy_model(model: keras.Model) -> keras.Model:
     """A new model of the same architecture and layer names (weights not copied).
 
-    Functional models and Sequentials are cloned layer by layer; other models (KerasHub
-    tasks) are rebuilt from their config.
+    Functional models and Sequentials are cloned layer by layer, nested models too, so a
+    layer called both inside a nested model and outside it (a backbone's token embedding
+    reused as the output projection) stays one layer; other models (KerasHub tasks) are
+    rebuilt from their config.
     """
     if keras_internals.is_plain_functional(model) or type(model) is keras.Sequential:
-        return keras.models.clone_model(model)
+        return keras.models.clone_model(model, recursive=True)
     return type(model).from_config(model.get_config())
 
 
