@@ -9,7 +9,7 @@ rank, so shards are owned, held and read one by one, as whole weights are.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Sequence
 
 from tfmulti.compat.keras_internals import share_storage, variable_storage
 
@@ -87,19 +87,6 @@ def hold_owned_weights_only(replicas: Sequence, owners: Sequence[int]) -> None:
         for replica in copies:
             if replica[index] is not held:
                 share_storage(replica[index], held)
-
-
-def distinct_storage(variables: Iterable) -> list:
-    """The `tf.Variable`s behind `variables`, each once (a variable without Keras storage
-    stands for itself)."""
-    held, seen = [], set()
-    for variable in variables:
-        storage = variable_storage(variable)
-        storage = variable if storage is None else storage
-        if id(storage) not in seen:
-            seen.add(id(storage))
-            held.append(storage)
-    return held
 
 
 def same_storage(variable, other) -> bool:

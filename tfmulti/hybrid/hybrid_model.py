@@ -14,7 +14,6 @@ from tfmulti.compat.keras_whole_weights import variables_holding
 from tfmulti.hybrid.data_owners import (
     check_zero_stage,
     deal_owners,
-    distinct_storage,
     hold_owned_weights_only,
     same_storage,
 )
@@ -30,6 +29,7 @@ from tfmulti.pipeline.runtime.microbatches import (
 )
 from tfmulti.pipeline.runtime.pipeline_model import PipelineModel
 from tfmulti.pipeline.runtime.scheduled_step import ScheduledStep, ScheduledTrainStep
+from tfmulti.pipeline.runtime.shared_traces import distinct_storage
 from tfmulti.pipeline.stages.split_summary import placement_table
 from tfmulti.wrapped_model import WrappedModel
 

@@ -23,14 +23,20 @@ from tfmulti.compat.keras_whole_weights import variables_holding
 def held_variables(stage) -> list:
     """The TensorFlow variables a stage's functions may capture, in the stage's order (each
     split weight as its shards)."""
+    weights = list(stage.weights) + list(stage.variables)
+    return distinct_storage(v for weight in weights for v in variables_holding(weight))
+
+
+def distinct_storage(variables) -> list:
+    """The `tf.Variable`s behind `variables`, each once, in order (a variable without Keras
+    storage stands for itself)."""
     held, seen = [], set()
-    for weight in list(stage.weights) + list(stage.variables):
-        for variable in variables_holding(weight):
-            storage = variable_storage(variable)
-            storage = variable if storage is None else storage
-            if id(storage) not in seen:
-                seen.add(id(storage))
-                held.append(storage)
+    for variable in variables:
+        storage = variable_storage(variable)
+        storage = variable if storage is None else storage
+        if id(storage) not in seen:
+            seen.add(id(storage))
+            held.append(storage)
     return held
 
 
