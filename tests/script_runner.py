@@ -37,9 +37,12 @@ _WARM = WarmServer(script_environment())
 
 
 def warm_when_possible(argv: list[str], env: dict) -> list[str]:
-    """`argv` (`python path/script.py args...`) as a warm run where one starts as fresh."""
+    """`argv` (`python path/script.py args...`) as a warm run where one starts as fresh; a
+    launch's workers (`python launch.py ... -- python script.py ...`) warm, its launcher cold."""
     if len(argv) < 2 or argv[0] != sys.executable or not argv[1].endswith(".py"):
         return argv
+    if os.path.basename(argv[1]) == "launch.py":
+        return _WARM.launch_command(argv, env)
     return _WARM.command(argv[1], tuple(argv[2:]), env) or argv
 
 
@@ -91,9 +94,10 @@ def child_pids(pid: int) -> list[int]:
 
 def launch(*args: str, **popen_options) -> subprocess.Popen:
     """Starts `python scripts/launch.py args...` (text mode); the caller waits for it."""
-    command = [sys.executable, os.path.join(REPO_ROOT, "scripts", "launch.py"), *args]
+    command = [sys.executable, LAUNCH, *args]
+    env = script_environment()
     return subprocess.Popen(
-        command, cwd=REPO_ROOT, env=script_environment(), text=True, **popen_options
+        warm_when_possible(command, env), cwd=REPO_ROOT, env=env, text=True, **popen_options
     )
 
 

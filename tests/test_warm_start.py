@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from script_runner import _WARM, TWO_EPOCHS, model_weights, read_metrics, run_script
+from script_runner import _WARM, LAUNCH, TWO_EPOCHS, model_weights, read_metrics, run_script
 from warm_start import COLD_ENV, can_run_warm
 
 PROBE = """
@@ -30,6 +30,12 @@ elif action == "raise":
     raise RuntimeError("raised by the probe")
 elif action == "die":
     os.kill(os.getpid(), signal.SIGKILL)
+elif action == "network":
+    import tempfile
+    with open("/proc/net/dev") as file:
+        interfaces = sorted(line.split(":")[0].strip() for line in file.read().splitlines()[2:])
+    print(json.dumps({"tensorflow": "tensorflow" in sys.modules, "interfaces": interfaces,
+                      "tmpdir": tempfile.gettempdir(), "TMPDIR": os.environ.get("TMPDIR")}))
 elif action == "wait":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(42))
     print(os.getpid(), flush=True)
@@ -162,3 +168,29 @@ def test_a_client_whose_server_is_gone_runs_the_script_cold(probe, tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode == 7
     assert "running cold" in result.stderr
+
+
+def _launched_probes(probe: str, env: dict) -> list[dict]:
+    command = [sys.executable, LAUNCH, "--num_workers=2", "--", sys.executable, probe, "network"]
+    result = subprocess.run(
+        _WARM.launch_command(command, env), env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line.partition("] ")[2] for line in result.stdout.splitlines() if "{" in line]
+    return [json.loads(line) for line in lines]
+
+
+def test_launched_workers_run_warm_in_the_launchs_private_network_and_scratch(probe):
+    warm = _launched_probes(probe, _WARM.env)
+    cold = _launched_probes(probe, {**_WARM.env, COLD_ENV: "1"})
+    assert [worker["tensorflow"] for worker in warm] == [True, True]
+    assert [worker["tensorflow"] for worker in cold] == [False, False]
+    # The launcher's private network (only loopback where this machine allows one), and
+    # the launch's scratch directory (TMPDIR, set by the launcher), as for cold workers.
+    assert [w["interfaces"] for w in warm] == [w["interfaces"] for w in cold]
+    assert all(w["TMPDIR"] and w["tmpdir"] == w["TMPDIR"] for w in warm + cold)
+
+
+def test_a_launched_worker_whose_import_time_variables_differ_runs_cold(probe):
+    env = {**_WARM.env, "TF_CPP_MIN_LOG_LEVEL": "1"}
+    assert [worker["tensorflow"] for worker in _launched_probes(probe, env)] == [False, False]

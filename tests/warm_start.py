@@ -29,6 +29,7 @@ import signal
 import socket
 import struct
 import sys
+import tempfile
 
 COLD_ENV = "TFMULTI_TESTS_COLD"
 # Read while Python, TensorFlow or Keras start, so a forked run would not see a new value.
@@ -55,6 +56,8 @@ IMPORT_TIME_VARIABLES = (
 )
 COLD_SCRIPTS = ("launch.py",)
 COLD_FLAGS = ("--help", "--helpfull", "--helpshort", "--tf_log_level")
+NAMESPACES = ("user", "net")
+STREAMS_AND_NAMESPACES = 3 + len(NAMESPACES)
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -94,6 +97,21 @@ class WarmServer:
             script_path,
             *args,
         ]
+
+    def launch_command(self, argv: list[str], env: dict) -> list[str]:
+        """`python launch.py flags -- python script.py args` with the workers' command warm.
+
+        The launcher stays cold; each worker is a client whose run joins the worker's
+        private network (the server decides, with the worker's environment, what goes cold).
+        """
+        if "--" not in argv:
+            return argv
+        split = argv.index("--") + 1
+        launcher, worker = argv[:split], argv[split:]
+        if len(worker) < 2 or worker[0] != sys.executable or not worker[1].endswith(".py"):
+            return argv
+        warm = self.command(worker[1], tuple(worker[2:]), env)
+        return [*launcher, *warm] if warm else argv
 
     def _start(self) -> None:
         import atexit
@@ -166,7 +184,9 @@ def run_client(socket_path: str, argv: list[str]) -> None:
         sys.stderr.write(f"warm_start: no server at {socket_path} ({error}); running cold\n")
         os.execv(sys.executable, [sys.executable, *argv])
     request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}
-    _send(connection, request, [0, 1, 2])
+    # The run joins this process's user and network namespaces (a launch's private network).
+    namespaces = [os.open(f"/proc/self/ns/{kind}", os.O_RDONLY) for kind in NAMESPACES]
+    _send(connection, request, [0, 1, 2, *namespaces])
     for number in FORWARDED_SIGNALS:
         signal.signal(number, lambda number, frame: _send(connection, {"signal": number}))
     while True:
@@ -177,6 +197,8 @@ def run_client(socket_path: str, argv: list[str]) -> None:
         if message is None:
             sys.stderr.write("warm_start: the server closed the run without its status\n")
             os._exit(1)
+        if message.get("cold"):  # a variable read at import differs from the server's
+            os.execv(sys.executable, [sys.executable, *argv])
         if "signal" in message and "exited" in message:
             if message["signal"] not in (signal.SIGKILL, signal.SIGSTOP):
                 signal.signal(message["signal"], signal.SIG_DFL)
@@ -225,6 +247,8 @@ def _import_everything() -> None:
 def serve(socket_path: str) -> None:
     """Imports the scripts' modules, then forks a run per request until the parent goes."""
     parent = os.getppid()
+    # Before importing: TensorFlow's start-up sets some of these in this process.
+    import_env = {name: os.environ.get(name) for name in IMPORT_TIME_VARIABLES}
     _import_everything()
     base_path = [entry for entry in sys.path[1:] if entry not in _python_path(os.environ)]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -237,8 +261,14 @@ def serve(socket_path: str) -> None:
         if not readable:
             continue
         connection, _ = listener.accept()
-        request, fds = _receive(connection, max_fds=3)
-        if request is None or len(fds) != 3:
+        request, fds = _receive(connection, max_fds=STREAMS_AND_NAMESPACES)
+        if (
+            request is None
+            or len(fds) != STREAMS_AND_NAMESPACES
+            or not _same_imports(request, import_env)
+        ):
+            if request is not None:
+                _send(connection, {"cold": True})
             connection.close()
             for fd in fds:
                 os.close(fd)
@@ -251,6 +281,12 @@ def serve(socket_path: str) -> None:
         connection.close()
         for fd in fds:
             os.close(fd)
+
+
+def _same_imports(request: dict, import_env: dict) -> bool:
+    """Whether the run would import as this server did (a launched worker's environment is
+    only known here)."""
+    return all(request["env"].get(name) == value for name, value in import_env.items())
 
 
 def _python_path(env: dict) -> list[str]:
@@ -299,9 +335,11 @@ def _monitor(connection: socket.socket, request: dict, fds: list[int], base_path
 
 def _run(request: dict, fds: list[int], base_path: list) -> None:
     """In the forked run: becomes `python argv...` started fresh, runs it, exits as it would."""
-    for target, fd in enumerate(fds):
+    streams, namespaces = fds[:3], fds[3:]
+    for target, fd in enumerate(streams):
         os.dup2(fd, target)
         os.close(fd)
+    _join_namespaces(namespaces)
     for number in (*FORWARDED_SIGNALS, signal.SIGCHLD):
         signal.signal(number, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -309,12 +347,27 @@ def _run(request: dict, fds: list[int], base_path: list) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    tempfile.tempdir = None  # found again from TMPDIR (a launched worker's own scratch)
     script = os.path.abspath(request["argv"][0])
     sys.argv = [request["argv"][0], *request["argv"][1:]]
     sys.path[:] = [os.path.dirname(script), *_python_path(request["env"]), *base_path]
     _fresh_random_states()
     code = _run_main(script)
     _end(code)
+
+
+def _join_namespaces(namespaces: list[int]) -> None:
+    """Joins the client's user and network namespaces where they are not this process's, as
+    the launcher's workers do between fork and exec (this forked run has one thread)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for kind, fd in zip(NAMESPACES, namespaces, strict=True):
+        if os.fstat(fd).st_ino != os.stat(f"/proc/self/ns/{kind}").st_ino:
+            if libc.setns(fd, 0) != 0:
+                sys.stderr.write(f"warm_start: setns({kind}): {os.strerror(ctypes.get_errno())}\n")
+                os._exit(1)
+        os.close(fd)
 
 
 def _fresh_random_states() -> None:
