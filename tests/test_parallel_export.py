@@ -1,7 +1,8 @@
 """Placed and tensor-parallel models save as plain single-device Keras models.
 
 `save("file.keras")` → `keras.saving.load_model` in a fresh process (which builds no
-placement and no split layers) → the same predictions as the parallel model.
+placement and no split layers; one process loads both saved models) → the same predictions
+as the parallel model.
 """
 
 import json
@@ -26,35 +27,44 @@ from tfmulti.parallel import (
 
 DEVICES = ["/CPU:0", "/CPU:1"]
 
-# Loads the model in a fresh process and writes its predictions and where its layers
-# come from; `imports` are the model's own modules (none for plain Keras layers).
+# Loads each model in turn in one fresh process and writes its predictions, where its
+# layers come from, and whether tfmulti was imported by then; `imports` are each model's
+# own modules (none for plain Keras layers), imported just before it loads.
 LOADER = textwrap.dedent(
     """
-    import json, sys
+    import importlib, json, sys
     import numpy as np
-    {imports}
     import keras
-    model = keras.saving.load_model(sys.argv[1])
-    np.save(sys.argv[3], model.predict(np.load(sys.argv[2]), verbose=0))
-    layer_modules = sorted({{type(layer).__module__ for layer in model._flatten_layers()}})
-    print(json.dumps({{"layer_modules": layer_modules,
-                      "tfmulti_loaded": "tfmulti" in sys.modules}}))
+    reports = []
+    for model_file, inputs, predictions, imports in json.loads(sys.argv[1]):
+        for module in imports:
+            importlib.import_module(module)
+        model = keras.saving.load_model(model_file)
+        np.save(predictions, model.predict(np.load(inputs), verbose=0))
+        layer_modules = sorted({type(layer).__module__ for layer in model._flatten_layers()})
+        reports.append({"layer_modules": layer_modules,
+                        "tfmulti_loaded": "tfmulti" in sys.modules})
+    print(json.dumps(reports))
     """
 )
 
 
-def _load_in_fresh_process(tmp_path, model_file, inputs, imports=""):
-    """Returns (predictions, report) of `model_file` loaded by a new Python process."""
-    np.save(tmp_path / "inputs.npy", inputs)
+def _load_in_one_fresh_process(tmp_path, models):
+    """[(predictions, report)] of each (model_file, inputs, imports) of `models`, loaded in
+    that order by one new Python process."""
+    jobs = []
+    for index, (model_file, inputs, imports) in enumerate(models):
+        np.save(tmp_path / f"inputs_{index}.npy", inputs)
+        jobs.append(
+            (
+                str(model_file),
+                str(tmp_path / f"inputs_{index}.npy"),
+                str(tmp_path / f"predictions_{index}.npy"),
+                list(imports),
+            )
+        )
     result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            LOADER.format(imports=imports),
-            str(model_file),
-            str(tmp_path / "inputs.npy"),
-            str(tmp_path / "predictions.npy"),
-        ],
+        [sys.executable, "-c", LOADER, json.dumps(jobs)],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -62,8 +72,8 @@ def _load_in_fresh_process(tmp_path, model_file, inputs, imports=""):
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    return np.load(tmp_path / "predictions.npy"), report
+    reports = json.loads(result.stdout.strip().splitlines()[-1])
+    return [(np.load(job[2]), report) for job, report in zip(jobs, reports, strict=True)]
 
 
 def _sequential_classifier():
@@ -85,18 +95,12 @@ def _train_a_few_steps(model, x, y):
     model.fit(x, y, batch_size=16, epochs=2, verbose=0)
 
 
-def test_placed_model_saves_the_users_model_which_loads_without_tfmulti(tmp_path):
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(64, 12)).astype("float32"), rng.integers(0, 3, 64)
-    model = _sequential_classifier()
-    placed = place(model, {"hidden": 0, ".*": 1}, devices=DEVICES, print_fn=None)
-    _train_a_few_steps(placed, x, y)
+def test_placed_model_saves_the_users_model_which_loads_without_tfmulti(loaded_fresh):
+    model, placed, x, (predictions, report) = loaded_fresh["placed"]
 
     assert placed.to_model() is model
-    placed.save(tmp_path / "placed.keras")
-    predictions, report = _load_in_fresh_process(tmp_path, tmp_path / "placed.keras", x)
-
     np.testing.assert_allclose(predictions, placed.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    # Loaded first in the fresh process, before anything imported tfmulti.
     assert not report["tfmulti_loaded"]
     assert all(module.startswith("keras.") for module in report["layer_modules"])
 
@@ -127,17 +131,36 @@ def trained_tensor_parallel_transformer():
     return model, tokens[:, :-1]
 
 
-def test_tensor_parallel_transformer_saves_unsplit_and_predicts_the_same(
-    tmp_path, trained_tensor_parallel_transformer
-):
-    model, tokens = trained_tensor_parallel_transformer
-    model.save(tmp_path / "transformer.keras")
-    predictions, report = _load_in_fresh_process(
+@pytest.fixture(scope="module")
+def loaded_fresh(tmp_path_factory, trained_tensor_parallel_transformer):
+    """A placed model and the tensor-parallel Transformer, each trained and saved, then
+    loaded by one fresh process (the placed model first, before tfmulti is imported):
+    {"placed": (model, placed, x, (predictions, report)),
+     "transformer": (model, tokens, (predictions, report))}."""
+    tmp_path = tmp_path_factory.mktemp("parallel_export")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 12)).astype("float32"), rng.integers(0, 3, 64)
+    model = _sequential_classifier()
+    placed = place(model, {"hidden": 0, ".*": 1}, devices=DEVICES, print_fn=None)
+    _train_a_few_steps(placed, x, y)
+    placed.save(tmp_path / "placed.keras")
+    transformer, tokens = trained_tensor_parallel_transformer
+    transformer.save(tmp_path / "transformer.keras")
+    placed_loaded, transformer_loaded = _load_in_one_fresh_process(
         tmp_path,
-        tmp_path / "transformer.keras",
-        tokens,
-        imports="import tfmulti.models.transformer",
+        [
+            (tmp_path / "placed.keras", x, ()),
+            (tmp_path / "transformer.keras", tokens, ("tfmulti.models.transformer",)),
+        ],
     )
+    return {
+        "placed": (model, placed, x, placed_loaded),
+        "transformer": (transformer, tokens, transformer_loaded),
+    }
+
+
+def test_tensor_parallel_transformer_saves_unsplit_and_predicts_the_same(loaded_fresh):
+    model, tokens, (predictions, report) = loaded_fresh["transformer"]
 
     np.testing.assert_allclose(predictions, model.predict(tokens, verbose=0), rtol=1e-4, atol=1e-5)
     # Only the model's own layers and Keras's: no split layers were rebuilt.

@@ -452,6 +452,7 @@ def test_a_search_rolls_each_schedule_once_however_many_splits_it_scores(monkeyp
     monkeypatch.setattr(scoring, "loop_schedule", lambda plan: rolled.append(plan) or roll(plan))
     scoring.executed_actions.cache_clear()
     machine = MachineCosts(per_action=1e-5, per_round=1e-5)
-    layouts = search_layouts(_costs(num_blocks=12), 4, GLOBAL_BATCH, Hardware(machine=machine))
+    # Six blocks on four devices: each pipeline schedule scores ten splits.
+    layouts = search_layouts(_costs(num_blocks=6), 4, GLOBAL_BATCH, Hardware(machine=machine))
     assert any(layout.mesh.pipe > 1 for layout in layouts)
     assert rolled and len(rolled) == len(set(rolled))

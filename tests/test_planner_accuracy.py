@@ -460,31 +460,15 @@ def test_machine_costs_are_measured_once_then_read_from_the_cost_cache(tmp_path,
         }
 
 
-def test_allreduce_and_device_overlap_are_measured_on_logical_devices():
+def test_the_tensor_allreduce_benchmark_times_a_chain_of_all_reduces():
+    """What is timed is the chain itself: each all-reduce adds the same ops to the graph
+    (the benchmarks themselves run for real in
+    test_every_benchmark_runs_with_a_training_runs_callbacks)."""
     import tensorflow as tf
 
     from tfmulti.planner import machine_benchmarks
 
     devices = [device.name for device in tf.config.list_logical_devices("CPU")][:2]
-    spreads = []
-    latency, bandwidth = machine_benchmarks._allreduce_costs(devices, spreads)
-    assert latency > 0 and bandwidth > 0
-    serial = machine_benchmarks._serial_fractions(devices, spreads)
-    assert serial[0] == 1.0 and len(serial) == 2 and 0.5 <= serial[1] <= 1.0
-    # Two chains at once on one device: an overlapped pair's share of its halves.
-    pair = machine_benchmarks._serial_fractions(devices[:1] * 2, spreads)
-    assert 0.5 <= pair[-1] <= 1.0
-    # One spread per all-reduce size and per device count timed.
-    assert len(spreads) == 6 and all(spread >= 0 for spread in spreads)
-    # The hybrid executor's copies, timed for real: one spread per model timed.
-    terms = machine_benchmarks._executor_replica_seconds(devices, 1e-5, latency, spreads)
-    assert len(spreads) == 10 and all(term >= 0 for term in terms)
-    # A tensor group's all-reduce inside a step: a chain of them, less none, at two sizes.
-    in_graph_latency, in_graph_bandwidth = machine_benchmarks._tensor_allreduce_costs(
-        devices, spreads
-    )
-    assert in_graph_latency >= 0 and in_graph_bandwidth > 0 and len(spreads) == 14
-    # What is timed is the chain itself: each all-reduce adds the same ops to the graph.
     values = [tf.ones((1, 64)) for _ in devices]
     op_counts = [
         len(
@@ -497,7 +481,7 @@ def test_allreduce_and_device_overlap_are_measured_on_logical_devices():
     assert op_counts[1] > op_counts[0] and op_counts[2] - op_counts[0] == 8 * (
         op_counts[1] - op_counts[0]
     )
-    assert machine_benchmarks._tensor_allreduce_costs(devices[:1], spreads) == (None, None)
+    assert machine_benchmarks._tensor_allreduce_costs(devices[:1], []) == (None, None)
 
 
 def test_a_models_own_overlap_is_measured_on_logical_devices_with_its_copies():
@@ -795,6 +779,7 @@ def test_plan_scales_the_measured_blocks_to_train_py_one_device_steps(tmp_path):
         "--measure_rounds=1",
         # The anchor runs as --validate would run a layout: once, 2 epochs of 3 steps.
         "--validate_repeats=1",
+        "--anchor_repeats=1",
         "--validate_epochs=2",
         "--validate_steps=3",
         "--top=100",
@@ -852,9 +837,47 @@ def test_every_benchmark_runs_with_a_training_runs_callbacks(tmp_path, monkeypat
         made.append(1)
         return timing_callbacks(str(tmp_path))
 
+    # Each benchmark's answer and the spreads it adds, as the suite calls it (spied on,
+    # each still runs for real).
+    seen = {}
+
+    def spy(name):
+        real = getattr(machine_benchmarks, name)
+
+        def measured(devices, *args):
+            spreads = args[-1]
+            before = len(spreads)
+            result = real(devices, *args)
+            seen.setdefault(name, []).append((len(devices), result, len(spreads) - before))
+            return result
+
+        monkeypatch.setattr(machine_benchmarks, name, measured)
+
+    for name in (
+        "_allreduce_costs",
+        "_serial_fractions",
+        "_executor_replica_seconds",
+        "_tensor_allreduce_costs",
+    ):
+        spy(name)
     devices = [device.name for device in tf.config.list_logical_devices("CPU")][:2]
     with machine_benchmarks.timed_with_callbacks(make_callbacks):
         costs = machine_benchmarks.measure_machine_costs(devices)
     # Keras one device and mirrored (2 models each), the executor (3), its copies (4).
     assert len(made) == 2 + 2 + 3 + 4
     assert costs.step_fixed + costs.per_variable > 0 and costs.num_devices == 2
+    # All-reduce and device overlap, measured on the logical devices.
+    ((_, (latency, bandwidth), allreduce_spreads),) = seen["_allreduce_costs"]
+    assert latency > 0 and bandwidth > 0
+    (_, serial, serial_spreads), (_, pair, pair_spreads) = seen["_serial_fractions"]
+    assert serial[0] == 1.0 and len(serial) == 2 and 0.5 <= serial[1] <= 1.0
+    # Two chains at once on one device: an overlapped pair's share of its halves.
+    assert 0.5 <= pair[-1] <= 1.0
+    # One spread per all-reduce size and per device count timed.
+    assert allreduce_spreads + serial_spreads + pair_spreads == 6
+    # The hybrid executor's copies, timed for real: one spread per model timed.
+    ((_, terms, executor_spreads),) = seen["_executor_replica_seconds"]
+    assert executor_spreads == 4 and all(term >= 0 for term in terms)
+    # A tensor group's all-reduce inside a step: a chain of them, less none, at two sizes.
+    ((_, (in_graph_latency, in_graph_bandwidth), tensor_spreads),) = seen["_tensor_allreduce_costs"]
+    assert in_graph_latency >= 0 and in_graph_bandwidth > 0 and tensor_spreads == 4
