@@ -20,7 +20,7 @@ UPSTREAM_FAILURES = {
 }
 
 
-def run_python(code):
+def run_python(code, all_lines=False):
     result = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -29,7 +29,8 @@ def run_python(code):
         env={**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "3"},
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    return result.stdout.strip().splitlines()[-1]
+    lines = result.stdout.strip().splitlines()
+    return lines if all_lines else lines[-1]
 
 
 def test_importing_tfmulti_compat_loads_neither_tensorflow_nor_keras():
@@ -40,33 +41,23 @@ def test_importing_tfmulti_compat_loads_neither_tensorflow_nor_keras():
     assert loaded == "[]"
 
 
-@pytest.mark.parametrize(
-    "code",
-    [
-        "import tfmulti.compat; tfmulti.compat.install_when_keras_loads(); import keras",
-        "import keras, tfmulti.compat; tfmulti.compat.install_when_keras_loads()",
-        "import tfmulti.compat; tfmulti.compat.install_when_keras_loads(); import tensorflow",
-    ],
-    ids=["hook-before-keras", "keras-first", "tensorflow-imports-keras-later"],
-)
-def test_fixes_are_active_whichever_import_comes_first(code):
-    active = run_python(
-        f"{code}\nimport keras, tfmulti.compat\n"
-        "from keras.src.backend.tensorflow import trainer\n"
-        "print(tfmulti.compat.active_fixes(), hasattr(trainer.reduce_per_replica, '__wrapped__'))"
-    )
-    assert active == (
-        "['symbolic_build_from_one_replica', 'reduce_metrics_across_replicas_only', "
-        "'steps_per_execution_in_a_plain_loop', 'non_chief_callbacks_write_to_scratch', "
-        "'merge_repeated_sparse_gradient_rows', "
-        "'mean_aggregated_layer_state_under_strategies'] True"
-    )
-
-
-def test_keras_executes_its_wrappers_and_visualization_only_when_a_program_reads_them():
-    # A training process: digits, an autograph-converted function (autograph reads every
-    # loaded module's __file__), then a user reaching for the wrappers and the plots.
-    loaded = run_python(
+# Each import order runs in a fresh interpreter, once for the tests reading its output:
+# keras-first's reports what upstream Keras loads before any fix; the order where
+# TensorFlow imports Keras later is a training process's, whose wrappers and plots load
+# only once read.
+IMPORT_ORDERS = {
+    "hook-before-keras": (
+        "import tfmulti.compat; tfmulti.compat.install_when_keras_loads(); import keras"
+    ),
+    "keras-first": (
+        "import sys, keras\n"
+        "print('upstream', 'sklearn' in sys.modules, 'matplotlib.pyplot' in sys.modules)\n"
+        "import tfmulti.compat; tfmulti.compat.install_when_keras_loads()"
+    ),
+    "tensorflow-imports-keras-later": (
+        "import tfmulti.compat; tfmulti.compat.install_when_keras_loads(); import tensorflow\n"
+        # A training process: digits, an autograph-converted function (autograph reads every
+        # loaded module's __file__), then a user reaching for the wrappers and the plots.
         "import sys, tfmulti, tensorflow as tf, keras\n"
         "from tfmulti.data.digits import load_digits\n"
         "load_digits()\n"
@@ -75,21 +66,58 @@ def test_keras_executes_its_wrappers_and_visualization_only_when_a_program_reads
         "from keras.wrappers import SKLearnClassifier\n"
         "from keras.visualization import plot_image_gallery\n"
         "import keras.src.visualization as internal\n"
-        "print(before, SKLearnClassifier.__name__, plot_image_gallery.__name__,\n"
+        "print('wrappers', before, SKLearnClassifier.__name__, plot_image_gallery.__name__,\n"
         "      internal.plot_image_gallery.__name__, 'sklearn' in sys.modules,\n"
         "      'matplotlib.pyplot' in sys.modules)"
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def import_order_output():
+    """`import_order_output(order)`: the lines IMPORT_ORDERS[order] printed, its last the
+    active fixes and whether the trainer's reduce_per_replica is wrapped."""
+    outputs = {}
+
+    def output(order):
+        if order not in outputs:
+            outputs[order] = run_python(
+                f"{IMPORT_ORDERS[order]}\nimport keras, tfmulti.compat\n"
+                "from keras.src.backend.tensorflow import trainer\n"
+                "print(tfmulti.compat.active_fixes(), "
+                "hasattr(trainer.reduce_per_replica, '__wrapped__'))",
+                all_lines=True,
+            )
+        return outputs[order]
+
+    return output
+
+
+@pytest.mark.parametrize("order", sorted(IMPORT_ORDERS))
+def test_fixes_are_active_whichever_import_comes_first(import_order_output, order):
+    assert import_order_output(order)[-1] == (
+        "['symbolic_build_from_one_replica', 'reduce_metrics_across_replicas_only', "
+        "'steps_per_execution_in_a_plain_loop', 'non_chief_callbacks_write_to_scratch', "
+        "'merge_repeated_sparse_gradient_rows', "
+        "'mean_aggregated_layer_state_under_strategies'] True"
     )
-    assert loaded == (
-        "(False, False) SKLearnClassifier plot_image_gallery "
+
+
+def test_keras_executes_its_wrappers_and_visualization_only_when_a_program_reads_them(
+    import_order_output,
+):
+    lines = import_order_output("tensorflow-imports-keras-later")
+    assert [line for line in lines if line.startswith("wrappers ")] == [
+        "wrappers (False, False) SKLearnClassifier plot_image_gallery "
         "keras.src.visualization.plot_image_gallery True True"
-    )
+    ]
 
 
-def test_upstream_keras_still_imports_scikit_learn_and_matplotlib_when_it_loads():
-    loaded = run_python(
-        "import sys, keras; print('sklearn' in sys.modules, 'matplotlib.pyplot' in sys.modules)"
-    )
-    assert loaded == "True True", (
+def test_upstream_keras_still_imports_scikit_learn_and_matplotlib_when_it_loads(
+    import_order_output,
+):
+    lines = import_order_output("keras-first")
+    assert [line for line in lines if line.startswith("upstream ")] == ["upstream True True"], (
         "Keras no longer imports scikit-learn or matplotlib eagerly: drop that module from "
         "tfmulti/compat/keras_lazy_modules.py's LAZY_MODULES"
     )

@@ -44,9 +44,8 @@ def _hybrid(mesh_text, schedule="1f1b", optimizer="adam", num_stages=2):
     return model
 
 
-@pytest.mark.parametrize(
-    "schedule, num_stages", [("1f1b", 2), ("zb_h1", 2), ("interleaved_1f1b", 4)]
-)
+# ZB-H1's trace count: test_copies_running_replica_zeros_schedule_train_to_one_device_weights.
+@pytest.mark.parametrize("schedule, num_stages", [("1f1b", 2), ("interleaved_1f1b", 4)])
 def test_a_data4_step_traces_the_schedule_as_often_as_data1(schedule_traces, schedule, num_stages):
     # Interleaved: two stages on each device, so a device moves once for both.
     batch = regression_batches(1, 32)[0]
@@ -76,10 +75,8 @@ def test_each_copy_runs_on_its_own_devices():
         assert copies and placed == own, (index, placed, own)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_copies_running_replica_zeros_schedule_train_to_one_device_weights(
-    schedule_traces, optimizer
-):
+def test_copies_running_replica_zeros_schedule_train_to_one_device_weights(schedule_traces):
+    optimizer = "adam"
     # Uneven shards and a partial last batch.
     batches = regression_batches(3, 18) + regression_batches(1, 7, seed=3)
     reference = Chain(residual_stages(2))

@@ -2,6 +2,7 @@
 holds its optimizer state (stages 1-2) and, under stage 3, its weights; training equals one
 device's."""
 
+import functools
 import gc
 import types
 import weakref
@@ -61,8 +62,11 @@ def _devices():
     return logical_device_names("CPU")[:4]
 
 
+@functools.cache
 def _train(stage: int, optimizer: str):
-    """A one-device chain and a data=2, pipe=2 hybrid at ZeRO `stage`, trained alike."""
+    """A one-device chain and a data=2, pipe=2 hybrid at ZeRO `stage`, trained alike, once
+    for every test that reads them; and a weak reference to each copy's own storage that
+    stage 3 dropped for its owner's."""
     reference = Chain(_even_stages())
     reference.compile(optimizer=_optimizer(optimizer), loss="mse")
     hybrid = HybridPipelineModel(
@@ -72,18 +76,36 @@ def _train(stage: int, optimizer: str):
         hybrid.shard_over_data_axis(stage)
     hybrid.compile(optimizer=_optimizer(optimizer), loss="mse")
     batches = _batches()
+    dropped = []
+    share = data_owners.share_storage
+
+    def share_and_watch(variable, source):
+        dropped.append(weakref.ref(variable_storage(variable)))
+        share(variable, source)
+
     reference(batches[0][0])
-    hybrid(batches[0][0])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(data_owners, "share_storage", share_and_watch)
+        hybrid(batches[0][0])  # builds the replicas
     for batch in batches:
         reference_loss = reference.train_on_batch(*batch)
         hybrid_loss = hybrid.train_on_batch(*batch)
-    return reference, hybrid, reference_loss, hybrid_loss
+    return types.SimpleNamespace(
+        reference=reference,
+        hybrid=hybrid,
+        reference_loss=reference_loss,
+        hybrid_loss=hybrid_loss,
+        dropped=dropped,
+    )
 
 
-@pytest.mark.parametrize("stage, optimizer", [(3, "adam"), (3, "sgd_momentum"), (1, "adam")])
+@pytest.mark.parametrize(
+    "stage, optimizer", [(3, "adam"), (3, "sgd_momentum"), (2, "adam"), (1, "adam")]
+)
 def test_zero_on_a_hybrid_mesh_trains_to_one_devices_weights(stage, optimizer):
-    reference, hybrid, reference_loss, hybrid_loss = _train(stage, optimizer)
-    np.testing.assert_allclose(hybrid_loss, reference_loss, rtol=1e-5)
+    run = _train(stage, optimizer)
+    reference, hybrid = run.reference, run.hybrid
+    np.testing.assert_allclose(run.hybrid_loss, run.reference_loss, rtol=1e-5)
     # `weights` (the plain model's, replica 0's) and every replica's copies are trained.
     for replica in [hybrid, *hybrid.replicas]:
         for actual, expected in zip(replica.get_weights(), reference.get_weights(), strict=True):
@@ -96,18 +118,11 @@ def test_zero_on_a_hybrid_mesh_trains_to_one_devices_weights(stage, optimizer):
     assert owned_by_second, "no variable is owned by replica 1"
 
 
-def test_stage_three_keeps_each_weight_on_its_owner_only(monkeypatch):
+def test_stage_three_keeps_each_weight_on_its_owner_only():
     """Every copy of a weight reads its owner's storage, on the owner's device for that
     stage; the non-owners' own copies are freed (nothing, not the traced step, keeps them)."""
-    dropped = []
-    share = data_owners.share_storage
-
-    def share_and_watch(variable, source):
-        dropped.append(weakref.ref(variable_storage(variable)))
-        share(variable, source)
-
-    monkeypatch.setattr(data_owners, "share_storage", share_and_watch)
-    _, hybrid, _, _ = _train(3, "adam")
+    run = _train(3, "adam")
+    hybrid, dropped = run.hybrid, run.dropped
     owners = hybrid.trainable_variables
     for replica in hybrid.replicas:
         for variable, owned in zip(replica.trainable_variables, owners, strict=True):
@@ -129,7 +144,7 @@ def test_bytes_each_device_holds_follow_the_zero_formulas_per_stage(stage):
     """Each stage holds 110 parameters (two 6x8 kernels and their biases): its two devices
     (one per data replica) each hold the ZeRO formula's share of them, to the size of a
     bias (whole variables are dealt, not rows); under stage 0 replica 0 holds all slots."""
-    _, hybrid, _, _ = _train(stage, "adam")
+    hybrid = _train(stage, "adam").hybrid
     memory = memory_section(hybrid, _devices())
     stage_params = sum(int(np.prod(v.shape)) for v in hybrid.replicas[0].stages[0].weights)
     assert stage_params == 2 * (FEATURES * WIDTH) + WIDTH + FEATURES

@@ -21,12 +21,12 @@ from tfmulti.parallel import (
 VOCABULARY = 64
 SEQUENCE = 8
 BATCH = 4
-STEPS = 3
+STEPS = 2
 
 
 TINY_DECODER = {
     "vocabulary_size": VOCABULARY,
-    "num_layers": 2,
+    "num_layers": 1,
     "num_query_heads": 4,
     "num_key_value_heads": 4,
     "hidden_dim": 16,
@@ -94,14 +94,12 @@ def assert_each_shard_holds_its_share(model, num_devices):
             assert int(np.prod(shard_variable.shape)) * 4 == whole_bytes // num_devices
 
 
+# One KerasHub case per way in: Gemma's layout map here, under the distribution's scope, on
+# four devices with SGD; Llama's map through `shard` (Adam, two devices) in the test below.
 @pytest.mark.parametrize(
     "build, backbone_class, num_devices, optimizer_name",
-    [
-        (llama, keras_hub.models.LlamaBackbone, 2, "sgd"),
-        (llama, keras_hub.models.LlamaBackbone, 4, "adam"),
-        (gemma, keras_hub.models.GemmaBackbone, 4, "sgd"),
-    ],
-    ids=["llama-2-sgd", "llama-4-adam", "gemma-4-sgd"],
+    [(gemma, keras_hub.models.GemmaBackbone, 4, "sgd")],
+    ids=["gemma-4-sgd"],
 )
 def test_model_parallel_with_keras_hub_layout_trains_to_unsharded_weights(
     build, backbone_class, num_devices, optimizer_name
@@ -170,9 +168,11 @@ def test_shard_on_a_model_with_loaded_weights_predicts_and_trains_as_unsharded(t
 
     assert_each_shard_holds_its_share(model, 2)
     np.testing.assert_allclose(model.predict(inputs, verbose=0), before, atol=1e-5)
+    assert_bytes_per_device_fall_by_the_share(model, reference, 2)
     compile_and_fit(reference, "adam")
     compile_and_fit(model, "adam")
     assert_same_weights(reference, model, 1e-4)
+    assert_optimizer_state_beside_shards(model, SLOTS_PER_WEIGHT["adam"])
     # Saved weights keep the unsharded layout: an unsharded model loads them.
     model.save_weights(weights_file)
     reloaded = llama()

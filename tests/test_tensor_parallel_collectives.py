@@ -216,7 +216,8 @@ def _collectives_in_a_step(model, x) -> int:
     return _collective_ops(step.get_concrete_function(tf.constant(x)).graph.as_graph_def())
 
 
-@pytest.mark.parametrize("tensor_parallel", [2, 4])
+# A group of 4's collectives, forward and backward: the sums' and Megatron operators' tests.
+@pytest.mark.parametrize("tensor_parallel", [2])
 def test_transformer_with_collective_reductions_trains_to_the_weights_of_one_device(
     tensor_parallel,
 ):
@@ -274,16 +275,16 @@ def _loops_and_collectives(hybrid, x, y) -> tuple[int, int]:
 @pytest.mark.parametrize(
     "mesh_text, schedule, remat",
     [
-        ("data=1,pipe=2,tensor=2", "1f1b", False),
-        ("data=1,pipe=2,tensor=2", "zb_h1", False),
-        ("data=1,pipe=2,tensor=2", "1f1b", True),
+        # Each schedule and option once: the split backward with remat on one copy; two
+        # copies, each with its own collectives, on the plain 1F1B.
+        ("data=1,pipe=2,tensor=2", "zb_h1", True),
         ("data=2,pipe=2,tensor=2", "1f1b", False),
     ],
 )
 def test_pipelined_tensor_groups_with_collectives_in_rolled_loops_train_like_one_device(
     mesh_text, schedule, remat
 ):
-    vocabulary, length, batch, steps = 16, 8, 16, 3
+    vocabulary, length, batch, steps = 16, 8, 16, 2
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, vocabulary, (steps * batch, length + 1)).astype("int32")
