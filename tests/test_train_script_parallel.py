@@ -27,6 +27,8 @@ from script_runner import (
     start_launched_training,
     worker_pid,
 )
+from test_elastic_training import FLAGS as ELASTIC_FLAGS
+from test_elastic_training import one_device_reference as elastic_one_device_reference
 
 
 # One run per path the script's flags choose: the unrolled step, the rolled loop, and the
@@ -277,21 +279,21 @@ def _signal_worker_once_checkpointed(
 
 
 def test_preempted_then_killed_workers_restart_the_group_which_resumes_the_exact_step(
-    tmp_path,
+    tmp_path, shared_dir
 ):
     model_dir = str(tmp_path / "run")
-    # Epochs of 30 steps with a checkpoint every 10: each signal lands 20 steps before its
+    # tests/test_elastic_training.py's run, whose one-device record the session shares:
+    # epochs of 20 steps with a checkpoint every 5. Each signal lands 15 steps before its
     # epoch ends, and the kill in the last epoch leaves steps to run after the resume.
-    flags = (*COMMON, "--epochs=3", "--steps_per_epoch=30", "--checkpoint_steps=10")
     launcher = start_launched_training(
         ("--num_workers=2", "--max_restarts=2"),
-        (*flags, "--strategy=multi_worker", f"--model_dir={model_dir}"),
+        (*ELASTIC_FLAGS, "--strategy=multi_worker", f"--model_dir={model_dir}"),
     )
     try:
-        # SIGTERM in epoch 2 (after global step 40): both workers save at the step they
-        # agree on and exit 42. SIGKILL in epoch 3 (after step 70): a crash, no save.
-        _signal_worker_once_checkpointed(launcher, model_dir, 40, signal.SIGTERM)
-        _signal_worker_once_checkpointed(launcher, model_dir, 70, signal.SIGKILL)
+        # SIGTERM in epoch 2 (after global step 25): both workers save at the step they
+        # agree on and exit 42. SIGKILL in epoch 3 (after step 45): a crash, no save.
+        _signal_worker_once_checkpointed(launcher, model_dir, 25, signal.SIGTERM)
+        _signal_worker_once_checkpointed(launcher, model_dir, 45, signal.SIGKILL)
         output, _ = launcher.communicate(timeout=300)
     finally:
         launcher.kill()
@@ -306,14 +308,8 @@ def test_preempted_then_killed_workers_restart_the_group_which_resumes_the_exact
     assert [epoch["epoch"] for epoch in metrics["epochs"]] == [1, 2, 3]
     (preemption,) = metrics["preemptions"]
     after_preemption, after_kill = metrics["resumes"]
-    assert preemption["epoch"] == 2 and preemption["step"] > 10
+    assert preemption["epoch"] == 2 and preemption["step"] > 5
     assert (after_preemption["epoch"], after_preemption["step"]) == (2, preemption["step"])
-    assert after_kill["epoch"] == 3 and after_kill["step"] in (10, 20)
+    assert after_kill["epoch"] == 3 and after_kill["step"] in (5, 10)
     assert f"Resuming at epoch 3, step {after_kill['step']}" in output
-
-    reference_dir = str(tmp_path / "one_device")
-    reference = run_script(
-        "train.py", *flags, "--strategy=one_device", f"--model_dir={reference_dir}"
-    )
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    assert_same_training(metrics, read_metrics(reference_dir))
+    assert_same_training(metrics, read_metrics(elastic_one_device_reference(shared_dir)))
