@@ -5,9 +5,10 @@
 puts each data replica's stage 0 on worker 0 and stage 1 on worker 1: the chief connects
 to the cluster and drives both replicas, the sum of a stage's gradients over the replicas
 stays inside the worker that holds the stage, and only activations and their gradients
-cross hosts. The runs hold for the reference MLP (SGD, 1F1B), a user's module (Adam,
-ZB-H1), and the reference Transformer with each stage's layers split over two devices of
-its worker (data=2,pipe=2,tensor=2 over 2 workers x 4 devices).
+cross hosts. The runs hold for a user's module (Adam, ZB-H1; one run, read by the tests
+of its losses and weights, its placement and its output) and the reference Transformer
+with each stage's layers split over two devices of its worker (data=2,pipe=2,tensor=2 over
+2 workers x 4 devices, the ring of placed ops summing each tensor pair).
 
 Tolerance: as `assert_same_run` (the same gradients summed in another order).
 """
@@ -20,11 +21,7 @@ from script_runner import (
     read_metrics,
     use_deep_mlp_module,
 )
-from test_pipeline_across_workers import (
-    USERS_MODEL,
-    one_device_two_epochs_dir,
-    users_model_one_device_dir,
-)
+from test_pipeline_across_workers import USERS_MODEL, users_model_one_device_dir
 from test_train_script_hybrid import TRANSFORMER, TRANSFORMER_MESH, transformer_one_device_dir
 
 from tfmulti.platform.mesh import parse_mesh
@@ -41,20 +38,28 @@ def worker_device(task: int, index: int) -> str:
 
 @pytest.fixture(scope="module")
 def pipe_across_workers_run(tmp_path_factory) -> tuple[str, str]:
-    """(model_dir, output) of the reference MLP on 2 launched workers, pipe axis across."""
-    model_dir = str(tmp_path_factory.mktemp("pipe_across_workers") / "run")
-    returncode, output = launch_training(
-        *TWO_EPOCHS, *PIPE_ACROSS_WORKERS, "--schedule=1f1b", f"--model_dir={model_dir}"
-    )
+    """(model_dir, output) of a user's model under Adam and ZB-H1 on 2 launched workers,
+    pipe axis across."""
+    directory = tmp_path_factory.mktemp("pipe_across_workers")
+    model_dir = str(directory / "run")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        use_deep_mlp_module(directory, monkeypatch)
+        returncode, output = launch_training(
+            *TWO_EPOCHS,
+            *USERS_MODEL,
+            *PIPE_ACROSS_WORKERS,
+            "--schedule=zb_h1",
+            f"--model_dir={model_dir}",
+        )
     assert returncode == 0, output[-3000:]
     return model_dir, output
 
 
-def test_replicas_with_stages_on_two_workers_train_like_one_device(
+def test_a_users_model_under_adam_and_zb_h1_with_pipe_across_workers_trains_like_one_device(
     shared_dir, pipe_across_workers_run
 ):
     model_dir, _ = pipe_across_workers_run
-    assert_same_run(model_dir, one_device_two_epochs_dir(shared_dir))
+    assert_same_run(model_dir, users_model_one_device_dir(shared_dir))
 
 
 def test_each_stage_of_every_replica_is_on_one_worker_and_only_the_chief_reports(
@@ -75,23 +80,6 @@ def test_each_stage_of_every_replica_is_on_one_worker_and_only_the_chief_reports
     assert "session config" not in output
 
 
-def test_a_users_model_under_adam_and_zb_h1_with_pipe_across_workers_trains_like_one_device(
-    tmp_path, monkeypatch, shared_dir
-):
-    reference_dir = users_model_one_device_dir(shared_dir)
-    use_deep_mlp_module(tmp_path, monkeypatch)
-    model_dir = str(tmp_path / "run")
-    returncode, output = launch_training(
-        *TWO_EPOCHS,
-        *USERS_MODEL,
-        *PIPE_ACROSS_WORKERS,
-        "--schedule=zb_h1",
-        f"--model_dir={model_dir}",
-    )
-    assert returncode == 0, output[-3000:]
-    assert_same_run(model_dir, reference_dir)
-
-
 def test_tensor_groups_inside_each_worker_with_pipe_across_workers_train_like_one_device(
     tmp_path, shared_dir
 ):
@@ -101,6 +89,7 @@ def test_tensor_groups_inside_each_worker_with_pipe_across_workers_train_like_on
         *TRANSFORMER,
         *TRANSFORMER_MESH,
         "--cross_host_axis=pipe",
+        "--tensor_reduce=ring",
         f"--model_dir={model_dir}",
         devices_per_worker=4,
         timeout=300,

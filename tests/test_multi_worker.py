@@ -61,14 +61,21 @@ def worker_results(out: Path) -> list:
     return [json.loads((out / f"worker{rank}.json").read_text()) for rank in range(2)]
 
 
+# Steps per call into TensorFlow of the run on `devices` devices per worker: the 2x2 run
+# also takes two steps per call (compat fix steps_per_execution_in_a_plain_loop), the 2x1
+# run one.
+STEPS_PER_EXECUTION = {1: 1, 2: 2}
+
+
 @pytest.fixture(scope="module")
 def two_epoch_run(shared_dir):
     """`two_epoch_run(devices)`: (results, model_dir) of the two-epoch run on two workers of
-    `devices` devices each, trained once per session for every xdist worker; never written."""
+    `devices` devices each (`STEPS_PER_EXECUTION[devices]` steps per call), trained once per
+    session for every xdist worker; never written."""
 
     def get(devices):
         def fill(directory: str) -> None:
-            run_workers(Path(directory), devices)
+            run_workers(Path(directory), devices, steps_per_execution=STEPS_PER_EXECUTION[devices])
 
         directory = Path(shared_dir(f"multi_worker-two_epochs-{devices}", fill))
         return worker_results(directory / f"out-{devices}-2"), directory / f"model-{devices}"
@@ -112,9 +119,11 @@ def test_evaluate_and_predict_match_single_process_on_every_worker(cluster_run):
         )
 
 
-def test_steps_per_execution_trains_and_evaluates_like_single_process(tmp_path):
-    # Two steps per call into TensorFlow (compat fix steps_per_execution_in_a_plain_loop).
-    (chief, other), _ = run_workers(tmp_path, devices=1, steps_per_execution=2)
+def test_steps_per_execution_trains_and_evaluates_like_single_process(two_epoch_run):
+    # The 2x2 run: two steps per call into TensorFlow (compat fix
+    # steps_per_execution_in_a_plain_loop), on every worker.
+    assert STEPS_PER_EXECUTION[2] == 2
+    (chief, other), _ = two_epoch_run(2)
     reference = single_process_reference(epochs=2)
     for result in (chief, other):
         for weight, expected in zip(result["weights"], reference["weights"], strict=True):

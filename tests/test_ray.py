@@ -3,9 +3,15 @@ inside a loopback-only network namespace, trains every way docs/guide/ray.md say
 
 One module-scoped fixture starts one Ray cluster (2 CPUs, no dashboard) and runs, in turn:
 the page's two Python blocks (`tfmulti.ray.trainer`, and `TensorflowTrainer` calling
-`train` directly), `pipeline` and `hybrid` across 2 Ray workers, and the page's run again
+`train` directly), one chief-driven run across 2 Ray workers, and the page's run again
 with Ray worker 1 killed mid-epoch. Ray's start-up and each run take seconds, so the runs
 are few and shared.
+
+The chief-driven run is `hybrid` with its pipe axis across the Ray workers (stage s of
+each data replica on Ray worker s): it takes the one path `pipeline` and `hybrid` share on
+Ray (`chief_drives_workers`: the chief trains, the other worker serves it its devices,
+one report at the end) with pipeline stages on another Ray worker's devices, so it holds
+both; `pipeline` across launched workers is tests/test_pipeline_across_workers.py's.
 
 Tolerance: as tests/script_runner.py's `assert_same_training` and `assert_same_run`
 (float32 sums of the same gradients in another order).
@@ -65,8 +71,8 @@ def _ray_runs(directory: str) -> list[dict]:
         }
 
     return [
-        run("pipeline", strategy="pipeline", num_stages=4, microbatches=4, partition="params"),
-        run("hybrid", strategy="hybrid", mesh="data=2,pipe=2", microbatches=2),
+        # The pipe axis crosses the workers (the default `cross_host_axis`).
+        run("chief_driven", strategy="hybrid", mesh="data=2,pipe=2", microbatches=2),
         run(
             "killed",
             strategy="multi_worker",
@@ -169,15 +175,19 @@ def test_train_called_by_a_plain_tensorflow_trainer_trains_to_one_devices_losses
     assert_same_training(metrics, one_device_metrics)
 
 
-@pytest.mark.parametrize("strategy", ["pipeline", "hybrid"])
-def test_chief_driven_strategies_across_ray_workers_train_to_one_devices_losses(
-    ray_runs, one_device_metrics, strategy
+def test_chief_driven_pipeline_stages_across_ray_workers_train_to_one_devices_losses(
+    ray_runs, one_device_metrics
 ):
     directory, results = ray_runs
-    assert results[strategy]["error"] is None
-    metrics = read_metrics(os.path.join(directory, strategy))
+    assert results["chief_driven"]["error"] is None
+    metrics = read_metrics(os.path.join(directory, "chief_driven"))
+    # 2 data replicas, each a pipeline whose stage s is on Ray worker s.
+    assert metrics["run"]["num_replicas"] == 2
+    stages = metrics["run"]["split"]["stages"]
+    assert [re.search(r"/task:(\d+)/", stage["device"])[1] for stage in stages] == ["0", "1"]
     assert_same_training(metrics, one_device_metrics)
-    assert results[strategy]["metrics"]["final_loss"] == pytest.approx(metrics["final"]["loss"])
+    reported = results["chief_driven"]["metrics"]
+    assert reported["final_loss"] == pytest.approx(metrics["final"]["loss"])
 
 
 def test_a_killed_ray_worker_is_restarted_and_ends_with_the_uninterrupted_weights(ray_runs):

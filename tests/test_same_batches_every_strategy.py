@@ -156,12 +156,15 @@ def one_device_losses(user_project, shared_dir):
     return losses
 
 
-# Every strategy on the user's data; the TFRecord file under the strategies that split each
-# batch over replicas. A staged model (pipeline, model_parallel) takes the whole global batch
-# whatever its source, the path the user's data takes here.
+# Every strategy once, each dataset on its own paths: the user's data under mirrored,
+# pipeline, model_parallel and hybrid (test_user_models_script.py counts on these), the
+# TFRecord file under the two ways a batch is split over replicas, tf.distribute's
+# (mirrored) and Keras's distribution (keras_model_parallel, the one run of it here).
+# Hybrid splits rows itself, on the user's reshuffled data. A staged model (pipeline,
+# model_parallel) takes the whole global batch whatever its source.
 SWEEP = [
-    *(("user", strategy) for strategy in sorted(STRATEGIES)),
-    *(("tfrecord", s) for s in ("hybrid", "keras_model_parallel", "mirrored")),
+    *(("user", s) for s in ("hybrid", "mirrored", "model_parallel", "pipeline")),
+    *(("tfrecord", s) for s in ("keras_model_parallel", "mirrored")),
 ]
 
 

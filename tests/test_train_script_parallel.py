@@ -27,6 +27,8 @@ from script_runner import (
     start_launched_training,
     worker_pid,
 )
+from test_elastic_training import FLAGS as ELASTIC_FLAGS
+from test_elastic_training import one_device_reference as elastic_one_device_reference
 
 
 # One run per path the script's flags choose: the unrolled step, the rolled loop, and the
@@ -195,16 +197,24 @@ def test_batch_smaller_than_the_microbatches_is_one_line(tmp_path):
 
 
 def test_multi_worker_script_trains_like_one_device_with_chief_only_outputs(
-    tmp_path, one_device_metrics
+    tmp_path, one_device_metrics, monkeypatch
 ):
+    # TensorFlow's preemption handler waits on the chief's coordination service in a thread
+    # of every worker; a wait still pending when the chief's process ends fails
+    # (UnavailableError) with a traceback. slow_worker_exit makes worker 1 end after the
+    # chief every time, as a loaded machine sometimes does: the run prints no traceback.
+    monkeypatch.setenv("PYTHONPATH", USER_CODE_ENV["PYTHONPATH"])
     model_dir = str(tmp_path / "run")
     returncode, output = launch_training(
         *TWO_EPOCHS,
         "--strategy=multi_worker",
         "--profile_steps=2,3",
+        "--callbacks=slow_worker_exit:callbacks",
         f"--model_dir={model_dir}",
     )
     assert returncode == 0, output[-3000:]
+    assert "[worker 1] Ended after the chief; watcher threads left: []" in output, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
     metrics = read_metrics(model_dir)
     assert metrics["run"]["num_replicas"] == 4
     assert_same_training(metrics, one_device_metrics)
@@ -239,26 +249,6 @@ def test_multi_worker_script_with_steps_per_execution_trains_like_one_step_per_c
     assert_same_training(read_metrics(model_dir), read_metrics(reference_dir))
 
 
-def test_a_worker_that_ends_after_the_chief_prints_no_traceback(tmp_path, monkeypatch):
-    # TensorFlow's preemption handler waits on the chief's coordination service in a thread
-    # of every worker; a wait still pending when the chief's process ends fails
-    # (UnavailableError) with a traceback. slow_worker_exit makes worker 1 end after the
-    # chief every time, as a loaded machine sometimes does.
-    monkeypatch.setenv("PYTHONPATH", USER_CODE_ENV["PYTHONPATH"])
-    model_dir = str(tmp_path / "run")
-    returncode, output = launch_training(
-        *COMMON,
-        "--epochs=1",
-        "--strategy=multi_worker",
-        "--callbacks=slow_worker_exit:callbacks",
-        f"--model_dir={model_dir}",
-    )
-    assert returncode == 0, output[-3000:]
-    assert "[worker 1] Ended after the chief; watcher threads left: []" in output, output[-3000:]
-    assert "Traceback" not in output, output[-3000:]
-    assert read_metrics(model_dir)["status"] == "completed"
-
-
 def test_a_one_host_strategy_launched_on_two_workers_is_one_line(tmp_path):
     # Two independent copies would each train alone and write the same model_dir.
     model_dir = tmp_path / "run"
@@ -289,21 +279,21 @@ def _signal_worker_once_checkpointed(
 
 
 def test_preempted_then_killed_workers_restart_the_group_which_resumes_the_exact_step(
-    tmp_path,
+    tmp_path, shared_dir
 ):
     model_dir = str(tmp_path / "run")
-    # Epochs of 30 steps with a checkpoint every 10: each signal lands 20 steps before its
+    # tests/test_elastic_training.py's run, whose one-device record the session shares:
+    # epochs of 20 steps with a checkpoint every 5. Each signal lands 15 steps before its
     # epoch ends, and the kill in the last epoch leaves steps to run after the resume.
-    flags = (*COMMON, "--epochs=3", "--steps_per_epoch=30", "--checkpoint_steps=10")
     launcher = start_launched_training(
         ("--num_workers=2", "--max_restarts=2"),
-        (*flags, "--strategy=multi_worker", f"--model_dir={model_dir}"),
+        (*ELASTIC_FLAGS, "--strategy=multi_worker", f"--model_dir={model_dir}"),
     )
     try:
-        # SIGTERM in epoch 2 (after global step 40): both workers save at the step they
-        # agree on and exit 42. SIGKILL in epoch 3 (after step 70): a crash, no save.
-        _signal_worker_once_checkpointed(launcher, model_dir, 40, signal.SIGTERM)
-        _signal_worker_once_checkpointed(launcher, model_dir, 70, signal.SIGKILL)
+        # SIGTERM in epoch 2 (after global step 25): both workers save at the step they
+        # agree on and exit 42. SIGKILL in epoch 3 (after step 45): a crash, no save.
+        _signal_worker_once_checkpointed(launcher, model_dir, 25, signal.SIGTERM)
+        _signal_worker_once_checkpointed(launcher, model_dir, 45, signal.SIGKILL)
         output, _ = launcher.communicate(timeout=300)
     finally:
         launcher.kill()
@@ -318,14 +308,8 @@ def test_preempted_then_killed_workers_restart_the_group_which_resumes_the_exact
     assert [epoch["epoch"] for epoch in metrics["epochs"]] == [1, 2, 3]
     (preemption,) = metrics["preemptions"]
     after_preemption, after_kill = metrics["resumes"]
-    assert preemption["epoch"] == 2 and preemption["step"] > 10
+    assert preemption["epoch"] == 2 and preemption["step"] > 5
     assert (after_preemption["epoch"], after_preemption["step"]) == (2, preemption["step"])
-    assert after_kill["epoch"] == 3 and after_kill["step"] in (10, 20)
+    assert after_kill["epoch"] == 3 and after_kill["step"] in (5, 10)
     assert f"Resuming at epoch 3, step {after_kill['step']}" in output
-
-    reference_dir = str(tmp_path / "one_device")
-    reference = run_script(
-        "train.py", *flags, "--strategy=one_device", f"--model_dir={reference_dir}"
-    )
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    assert_same_training(metrics, read_metrics(reference_dir))
+    assert_same_training(metrics, read_metrics(elastic_one_device_reference(shared_dir)))
