@@ -139,19 +139,6 @@ def test_v_shaped_stages_on_two_workers_train_like_one_device(tmp_path, one_devi
     assert_stages_on_both_workers_train_like(model_dir, one_device_dir)
 
 
-def test_a_users_model_under_adam_and_zb_h1_on_two_workers_trains_like_one_device(
-    tmp_path, monkeypatch, shared_dir
-):
-    reference_dir = users_model_one_device_dir(shared_dir)
-    use_deep_mlp_module(tmp_path, monkeypatch)
-    model_dir = str(tmp_path / "run")
-    returncode, output = launch_on_two_workers(
-        *USERS_MODEL, *PIPELINE, "--schedule=zb_h1", f"--model_dir={model_dir}"
-    )
-    assert returncode == 0, output[-3000:]
-    assert_same_run(model_dir, reference_dir)
-
-
 def test_the_chief_alone_writes_the_run_and_names_each_stages_worker(one_f_one_b_run):
     model_dir, output = one_f_one_b_run
     devices = [stage["device"] for stage in read_metrics(model_dir)["run"]["split"]["stages"]]
@@ -232,15 +219,22 @@ def test_a_preempted_then_killed_group_restarts_and_ends_like_the_uninterrupted_
     assert_same_run(model_dir, signalled_one_device_dir(shared_dir))
 
 
-def test_a_run_resumed_across_workers_ends_like_the_uninterrupted_one(tmp_path, one_device_dir):
+def test_a_run_resumed_across_workers_ends_like_the_uninterrupted_one(
+    tmp_path, monkeypatch, shared_dir
+):
+    """A user's module under Adam and ZB-H1: one epoch, then the second by `--resume`
+    (Adam's moments and step count come back from the epoch checkpoint), ends like the
+    uninterrupted one-device run."""
+    reference_dir = users_model_one_device_dir(shared_dir)
+    use_deep_mlp_module(tmp_path, monkeypatch)
     model_dir = str(tmp_path / "run")
     for epochs in ("--epochs=1", "--epochs=2 --resume"):
         returncode, output = launch_on_two_workers(
-            *PIPELINE, "--schedule=zb_h1", *epochs.split(), f"--model_dir={model_dir}"
+            *USERS_MODEL, *PIPELINE, "--schedule=zb_h1", *epochs.split(), f"--model_dir={model_dir}"
         )
         assert returncode == 0, output[-3000:]
     assert "Resuming at epoch 2, step 0" in output
-    assert_same_run(model_dir, one_device_dir)
+    assert_same_run(model_dir, reference_dir)
 
 
 # What works on one host works across hosts: each case is one run over launched workers,

@@ -221,15 +221,15 @@ def _launch(model_dir, num_workers, *args):
 
 @pytest.fixture(scope="module")
 def worker_runs(tmp_path_factory):
-    """ZeRO-3 over 2 launched workers and ZeRO-1 over 4, one device each."""
+    """ZeRO-3 and ZeRO-1 over 2 launched workers, one device each."""
     root = tmp_path_factory.mktemp("zero_workers")
     return {
         "zero3_2": _launch(root / "zero3_2", 2, "--zero=3"),
-        "zero1_4": _launch(root / "zero1_4", 4, "--zero=1"),
+        "zero1_2": _launch(root / "zero1_2", 2, "--zero=1"),
     }
 
 
-@pytest.mark.parametrize("run", ["zero3_2", "zero1_4"])
+@pytest.mark.parametrize("run", ["zero3_2", "zero1_2"])
 def test_zero_across_launched_workers_trains_as_one_device(runs, worker_runs, run):
     np.testing.assert_allclose(_losses(worker_runs[run]), _losses(runs["one"]), rtol=1e-5)
 
@@ -251,7 +251,7 @@ KERAS_HUB_RUN = (
     "--dataset=zero_keras_hub_model:data",
     "--batch_size=16",
     "--steps_per_epoch=3",
-    "--epochs=2",
+    "--epochs=1",  # 3 steps, each from the weights the one before changed
 )
 
 
