@@ -114,7 +114,15 @@ def test_a_sigterm_to_a_serving_worker_alone_saves_and_the_group_ends_like_the_u
     model_dir = str(tmp_path / "run")
     launcher = start_launched_training(
         ("--num_workers=2", "--devices_per_worker=2", "--max_restarts=1", "--grace_seconds=30"),
-        (*SIGNALLED, *PIPELINE, "--schedule=1f1b", f"--model_dir={model_dir}"),
+        # Two stages, one a worker (the last flag counts): worker 1 serves stage 1.
+        (
+            *SIGNALLED,
+            *PIPELINE,
+            "--num_stages=2",
+            "--microbatches=2",
+            "--schedule=1f1b",
+            f"--model_dir={model_dir}",
+        ),
     )
     try:
         signal_once_checkpointed(launcher, model_dir, (1,), 3, signal.SIGTERM)

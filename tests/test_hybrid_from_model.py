@@ -15,7 +15,7 @@ from pipeline_graph_models import (
 from tfmulti.hybrid import build_hybrid_model_from_model, copy_model
 from tfmulti.platform.runtime.devices import logical_device_names
 
-STEPS = 3
+STEPS = 2
 BATCH = 8
 
 

@@ -139,10 +139,11 @@ def test_save_weights_files_are_the_single_device_models(tmp_path):
         }
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+# Building is before any schedule runs: one schedule, with its split backward (zb_h1).
+@pytest.mark.parametrize("schedule", ["zb_h1"])
 def test_built_stages_train_like_unbuilt_ones(schedule):
     devices = first_logical_devices(4, "stages")
-    batches = regression_batches(3, 16)
+    batches = regression_batches(2, 16)
     built = dense_stages(4, seed=5)
     Chain(built)(batches[0][0])
     built_pipe = PipelineModel(built, devices, 4, schedule)

@@ -17,11 +17,15 @@ from tfmulti.pipeline import (
     validate_schedule,
 )
 
+# Every device count; micro-batch counts up to 8, then 12 and 16 (interleaving's multiples
+# of 6 and 8 devices): longer steady states add actions, not new code paths.
+MICROBATCH_COUNTS = (*range(1, 9), 12, 16)
+
 
 def _accepted_schedules():
     for name in SCHEDULE_NAMES:
         for num_devices in range(1, 9):
-            for num_microbatches in range(1, 33):
+            for num_microbatches in MICROBATCH_COUNTS:
                 for chunks in range(1, 5):
                     try:
                         yield build_schedule(name, num_devices, num_microbatches, chunks)
@@ -30,9 +34,9 @@ def _accepted_schedules():
 
 
 def test_every_accepted_schedule_validates_simulates_and_runs_each_action_once():
-    built = 0
+    built = collections.Counter()
     for schedule in _accepted_schedules():
-        built += 1
+        built[schedule.name] += 1
         validate_schedule(schedule)
         counts = collections.Counter(a for actions in schedule.device_actions for a in actions)
         assert set(counts.values()) == {1}, schedule.name
@@ -43,7 +47,8 @@ def test_every_accepted_schedule_validates_simulates_and_runs_each_action_once()
         result = simulate(schedule)
         assert len(result.records) == len(counts)
     # Every name must be reachable on the grid, interleaved included.
-    assert built > 1000
+    assert set(built) == set(SCHEDULE_NAMES)
+    assert sum(built.values()) > 700
 
 
 @pytest.mark.parametrize(

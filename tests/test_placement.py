@@ -14,7 +14,7 @@ from tfmulti.models.registry import build_model
 from tfmulti.placement.placed_model import place, place_reference_model
 
 BATCH = 8
-STEPS = 3
+STEPS = 2
 REFERENCE_MODELS = {
     "mlp": ((8, 8, 1), 10, {"hidden_units": (16, 16)}),
     "convnet": ((8, 8, 1), 10, {"filters": (4, 8), "hidden_units": 16}),
@@ -119,7 +119,8 @@ def test_placed_reference_model_trains_to_the_unplaced_weights(name, placement, 
         np.testing.assert_allclose(actual, reference, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+# Adam, whose slots must follow their variables; SGD is trained placed on reference models.
+@pytest.mark.parametrize("optimizer", ["adam"])
 def test_branched_two_input_model_trains_to_the_unplaced_weights(optimizer):
     x, y = _skip_data()
     expected_outputs = _skip_model().predict(x, verbose=0)

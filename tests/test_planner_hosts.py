@@ -196,29 +196,88 @@ def test_fewer_devices_run_on_whole_hosts_or_inside_one():
     assert launch_flags(one_host) == [] and one_host.cross_host_axis is None
 
 
-@pytest.mark.parametrize(
-    "mesh, axis, strategy",
-    [
-        (HybridMesh(data=4), "data", ["--strategy=multi_worker"]),
-        (HybridMesh(pipe=4), "pipe", ["--strategy=pipeline", "--num_stages=4"]),
-        (
-            HybridMesh(data=2, pipe=2),
-            "pipe",
-            ["--strategy=hybrid", "--mesh=data=2,pipe=2,tensor=1", "--cross_host_axis=pipe"],
-        ),
-    ],
-)
-def test_a_layout_over_hosts_is_launched_one_worker_a_host_and_its_flags_parse(
-    mesh, axis, strategy
-):
+# Parses each command line of argv[2] (a JSON list of argument lists) with the flags and
+# the parser of the script module argv[1], as `scripts/<script>.py` does, one after another
+# in this one process; prints [exit code, stderr] of each, and whether TensorFlow was
+# imported.
+_PARSE_EACH = """
+import contextlib, importlib, io, json, sys
+from absl import flags
+from tfmulti.flags.parsing import parse_flags_or_exit
+
+script = importlib.import_module(sys.argv[1])
+program = sys.argv[1].rsplit(".", 1)[1] + ".py"
+results = []
+for argv in json.loads(sys.argv[2]):
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            parse_flags_or_exit([program, *argv], usage=script.__doc__, module=script.__name__)
+            code = 0
+        except SystemExit as exit_request:
+            code = exit_request.code
+    flags.FLAGS.unparse_flags()
+    results.append([code, stderr.getvalue()])
+print(json.dumps({"results": results, "tensorflow": "tensorflow" in sys.modules}))
+"""
+
+
+def _parse_each(module: str, command_lines: list[list[str]]) -> list[tuple[int, str]]:
+    """(exit code, stderr) of the parser of script `module` (e.g. tfmulti.cli.plan) on each
+    of `command_lines`, parsed in one fresh process before TensorFlow starts."""
+    result = subprocess.run(
+        [sys.executable, "-c", _PARSE_EACH, module, json.dumps(command_lines)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    parsed = json.loads(result.stdout.splitlines()[-1])
+    assert not parsed["tensorflow"]
+    return [tuple(case) for case in parsed["results"]]
+
+
+LAYOUTS_OVER_HOSTS = [
+    (HybridMesh(data=4), "data", ["--strategy=multi_worker"]),
+    (HybridMesh(pipe=4), "pipe", ["--strategy=pipeline", "--num_stages=4"]),
+    (
+        HybridMesh(data=2, pipe=2),
+        "pipe",
+        ["--strategy=hybrid", "--mesh=data=2,pipe=2,tensor=1", "--cross_host_axis=pipe"],
+    ),
+]
+
+
+def _layout_over_hosts(mesh: HybridMesh, axis: str):
     layouts = search_layouts(GRADIENT_HEAVY, 4, GLOBAL_BATCH, _hardware(1e9), hosts=2)
-    layout = _best_by_axis(layouts, mesh)[axis]
+    return _best_by_axis(layouts, mesh)[axis]
+
+
+@pytest.fixture(scope="module")
+def parsed_layout_flags() -> list[tuple[int, str]]:
+    """train.py's parser on the train flags of each of `LAYOUTS_OVER_HOSTS`."""
+    return _parse_each(
+        "tfmulti.cli.train",
+        [
+            train_flags(_layout_over_hosts(mesh, axis), GRADIENT_HEAVY, GLOBAL_BATCH)
+            for mesh, axis, _ in LAYOUTS_OVER_HOSTS
+        ],
+    )
+
+
+@pytest.mark.parametrize("case", range(len(LAYOUTS_OVER_HOSTS)))
+def test_a_layout_over_hosts_is_launched_one_worker_a_host_and_its_flags_parse(
+    parsed_layout_flags, case
+):
+    mesh, axis, strategy = LAYOUTS_OVER_HOSTS[case]
+    layout = _layout_over_hosts(mesh, axis)
     flags = train_flags(layout, GRADIENT_HEAVY, GLOBAL_BATCH)
     assert flags[: len(strategy)] == strategy
     assert not any(flag.startswith("--virtual_devices") for flag in flags)
     assert launch_flags(layout) == ["--num_workers=2", "--devices_per_worker=2"]
-    result = run_script("train.py", *flags, "--only_check_args")
-    assert result.returncode == 0, result.stderr[-2000:]
+    code, stderr = parsed_layout_flags[case]
+    assert code == 0, stderr[-2000:]
 
 
 def test_validation_launches_a_layout_over_hosts_and_times_the_chiefs_steps():
@@ -242,21 +301,38 @@ def test_validation_launches_a_layout_over_hosts_and_times_the_chiefs_steps():
     assert chief_lines(log) == "[worker 0] x.py:1] step 3: 1.0 examples/sec, 5.0 ms/step"
 
 
-@pytest.mark.parametrize(
-    "flags, named",
-    [
-        (["--hosts=2"], "--devices_per_host"),
-        (["--hosts=2", "--devices_per_host=2", "--devices=8"], "contradicts"),
-        (["--devices=4", "--devices_per_host=2"], "contradicts"),
-        (["--inter_host_gbps=0", "--hosts=2", "--devices_per_host=2"], "inter_host_gbps"),
-        (["--hosts=0", "--devices_per_host=2"], "hosts"),
-        (["--launch_option=--hosts_file=h.txt"], "--launch_option"),
-        (["--hosts=2", "--devices_per_host=2", "--launch_option=--num_workers=4"], "planner"),
-    ],
-)
-def test_contradictory_host_flags_are_refused_in_one_line(flags, named):
-    result = run_script("plan.py", *flags, "--costs=/nonexistent.json", "--machine_costs=none")
-    assert named in one_line_error(result, 2)
+CONTRADICTORY_HOST_FLAGS = [
+    (["--hosts=2"], "--devices_per_host"),
+    (["--hosts=2", "--devices_per_host=2", "--devices=8"], "contradicts"),
+    (["--devices=4", "--devices_per_host=2"], "contradicts"),
+    (["--inter_host_gbps=0", "--hosts=2", "--devices_per_host=2"], "inter_host_gbps"),
+    (["--hosts=0", "--devices_per_host=2"], "hosts"),
+    (["--launch_option=--hosts_file=h.txt"], "--launch_option"),
+    (["--hosts=2", "--devices_per_host=2", "--launch_option=--num_workers=4"], "planner"),
+]
+_NO_COSTS = ("--costs=/nonexistent.json", "--machine_costs=none")
+
+
+@pytest.fixture(scope="module")
+def parsed_host_flags() -> list[tuple[int, str]]:
+    """plan.py's parser on each of `CONTRADICTORY_HOST_FLAGS`."""
+    return _parse_each(
+        "tfmulti.cli.plan", [[*flags, *_NO_COSTS] for flags, _ in CONTRADICTORY_HOST_FLAGS]
+    )
+
+
+@pytest.mark.parametrize("case", range(len(CONTRADICTORY_HOST_FLAGS)))
+def test_contradictory_host_flags_are_refused_in_one_line(parsed_host_flags, case):
+    named = CONTRADICTORY_HOST_FLAGS[case][1]
+    code, stderr = parsed_host_flags[case]
+    assert code == 2 and "Traceback" not in stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("plan.py: error: ") and named in lines[0]
+
+
+def test_plan_script_prints_a_contradictory_host_flag_as_its_one_line():
+    result = run_script("plan.py", *CONTRADICTORY_HOST_FLAGS[0][0], *_NO_COSTS)
+    assert CONTRADICTORY_HOST_FLAGS[0][1] in one_line_error(result, 2)
 
 
 def _flag(command: list[str], name: str) -> str:

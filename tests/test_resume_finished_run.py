@@ -14,8 +14,8 @@ RUN = (
     "--model=mlp",
     "--batch_size=64",
     "--epochs=2",
-    "--steps_per_epoch=5",
-    "--checkpoint_steps=5",
+    "--steps_per_epoch=2",
+    "--checkpoint_steps=2",
     "--log_steps=0",
 )
 DATASETS = {"synthetic": "--dataset=synthetic", "user": "--dataset=user_rows:data"}
@@ -171,10 +171,10 @@ def test_a_run_killed_between_its_last_record_and_checkpoint_trains_that_epoch_a
     model_dir = _copy(finished_run("synthetic"), tmp_path)
     finished = read_metrics(model_dir)
     backup = os.path.join(model_dir, "backup")
-    for name in ("step-000000010.json", "step-000000010.weights.h5"):
+    for name in ("step-000000004.json", "step-000000004.weights.h5"):
         os.remove(os.path.join(backup, name))
     with open(os.path.join(backup, "latest.json"), "w") as handle:
-        json.dump({"state": "step-000000005.json"}, handle)
+        json.dump({"state": "step-000000002.json"}, handle)
     os.remove(os.path.join(model_dir, "checkpoints", "epoch-002.weights.h5"))
     with open(os.path.join(model_dir, "checkpoints", "latest.json"), "w") as handle:
         json.dump({"epoch": 1, "weights": "epoch-001.weights.h5"}, handle)

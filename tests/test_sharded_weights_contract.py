@@ -56,7 +56,7 @@ def _mlp_data():
 
 def _train(model, x, y, loss="mse"):
     model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss)
-    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
 
 
 def assert_same_weights(model, reference, atol=0.0):
@@ -143,7 +143,7 @@ def test_shard_model_lists_and_trains_the_unsharded_weights():
 
 
 def test_tensor_parallel_transformer_lists_and_trains_the_unsplit_weights():
-    options = dict(num_layers=2, d_model=16, num_heads=2)
+    options = dict(num_layers=1, d_model=16, num_heads=2)
     parallel = registry.build_model("transformer", (16,), 32, seed=0, tensor_parallel=2, **options)
     plain = unsplit_model(parallel)
     assert len(parallel.variables) > len(parallel.weights)

@@ -1,7 +1,17 @@
-"""`scripts/train.py` rejects bad input with one line that names the problem."""
+"""`scripts/train.py` rejects bad input with one line that names the problem.
+
+Every flag check runs while absl parses the command line, before TensorFlow starts: the
+bad flags are parsed by the script's own parser (`parse_flags_or_exit`, with the script's
+flags defined) in one process, case by case, and one of them through the script itself;
+the errors found once training has started are each a run of the script.
+"""
+
+import json
+import subprocess
+import sys
 
 import pytest
-from script_runner import USER_CODE_ENV, last_line, run_script
+from script_runner import REPO_ROOT, USER_CODE_ENV, last_line, run_script
 
 BAD_FLAGS = [
     ("--batch_size=0", "batch_size"),
@@ -37,14 +47,62 @@ BAD_FLAGS = [
 ]
 
 
+# Parses each command line of argv[1] (a JSON list) with train.py's flags and parser, and
+# prints {flag: [exit code, stderr]} and whether TensorFlow was imported.
+_PARSE_EACH = """
+import contextlib, io, json, sys
+from absl import flags
+import tfmulti.cli.train as script
+from tfmulti.flags.parsing import parse_flags_or_exit
+
+results = {}
+for flag in json.loads(sys.argv[1]):
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            parse_flags_or_exit(["train.py", flag], usage=script.__doc__, module=script.__name__)
+            code = 0
+        except SystemExit as exit_request:
+            code = exit_request.code
+    flags.FLAGS.unparse_flags()
+    results[flag] = [code, stderr.getvalue()]
+print(json.dumps({"results": results, "tensorflow": "tensorflow" in sys.modules}))
+"""
+
+
+@pytest.fixture(scope="module")
+def parsed_bad_flags() -> dict:
+    """{flag: (exit code, stderr)} of train.py's parser on each of `BAD_FLAGS` alone."""
+    result = subprocess.run(
+        [sys.executable, "-c", _PARSE_EACH, json.dumps([flag for flag, _ in BAD_FLAGS])],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    parsed = json.loads(result.stdout.splitlines()[-1])
+    assert not parsed["tensorflow"]  # refused before TensorFlow starts
+    return parsed["results"]
+
+
 @pytest.mark.parametrize("flag, name", BAD_FLAGS)
-def test_bad_flag_exits_with_one_line_naming_the_flag(flag, name):
-    result = run_script("train.py", flag, timeout=60)
-    assert result.returncode != 0
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert name in lines[0]
-    assert "Traceback" not in result.stderr
+def test_bad_flag_exits_with_one_line_naming_the_flag(parsed_bad_flags, flag, name):
+    code, stderr = parsed_bad_flags[flag]
+    assert code == 2
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("train.py: error: ") and name in lines[0]
+    assert "Traceback" not in stderr
+
+
+def test_the_script_prints_a_bad_flag_as_its_one_line():
+    result = run_script("train.py", "--tensor_parallel=2", timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "train.py: error: --tensor_parallel goes only with --strategy=model_parallel, not "
+        "--strategy=mirrored; drop it, or change --strategy"
+    )
 
 
 def test_global_batch_not_divisible_by_replicas_is_one_line(tmp_path):

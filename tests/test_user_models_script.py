@@ -83,10 +83,11 @@ USER_MODULE = textwrap.dedent(
         return x, y + 50
     """
 )
+STEPS_PER_EPOCH = 2
 RUN = (
     "--dataset=user_models:arrays",
     "--batch_size=32",
-    "--steps_per_epoch=5",
+    f"--steps_per_epoch={STEPS_PER_EPOCH}",
     "--epochs=2",
     "--optimizer=sgd",
     "--learning_rate=0.1",
@@ -153,13 +154,15 @@ def test_user_model_reaches_the_losses_of_the_same_model_trained_in_process(
 
         keras.utils.set_random_seed(0)
         source = data_lib.load_source("user_models:arrays", seed=0)
-        data = data_lib.make_datasets_from_source(source, 32, seed=0, steps_per_epoch=5)
+        data = data_lib.make_datasets_from_source(
+            source, 32, seed=0, steps_per_epoch=STEPS_PER_EPOCH
+        )
         model = user_models.small_mlp(width=16)
         model.compile(
             optimizer=keras.optimizers.SGD(0.1),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
-        model.fit(data.train, steps_per_epoch=5, epochs=2, verbose=0)
+        model.fit(data.train, steps_per_epoch=STEPS_PER_EPOCH, epochs=2, verbose=0)
         loss = model.evaluate(data.validation, verbose=0)
     finally:
         sys.path.pop(0)

@@ -106,6 +106,9 @@ RUN = (
 PLATEAU = (
     "--model=user_hooks:small_mlp",
     *RUN,
+    # The callbacks act by patience alone: 2 steps an epoch are enough (the last flag wins).
+    "--steps_per_epoch=2",
+    "--validation_steps=1",
     "--epochs=5",
     "--optimizer=sgd",
     "--learning_rate=0.1",

@@ -81,9 +81,9 @@ def _data(plain):
     return regression_data(plain, 2 * BATCH)
 
 
-def _train(model, x, y):
+def _train(model, x, y, callbacks=()):
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, callbacks=list(callbacks), verbose=0)
 
 
 def _assert_same_weights(model, plain):
@@ -101,64 +101,53 @@ def _assert_predicts_like(model, plain, x):
     )
 
 
-def test_weights_and_count_params_are_the_plain_models_before_and_after_training(case):
+def test_weights_checkpoints_weight_files_and_set_weights_are_the_plain_models(case, tmp_path):
+    """One training of the wrapped model (2 epochs, with ModelCheckpoint files), then each
+    call in turn: weights and count_params, ModelCheckpoint files in plain Keras, weight
+    files both ways, set_weights into every copy."""
     make_wrapped, make_plain = case
     wrapped, plain = make_wrapped(0), make_plain(0)
     x, y = _data(plain)
     _assert_same_weights(wrapped, plain)
-    for model in (wrapped, plain):
-        _train(model, x, y)
-    assert len(wrapped.trainable_weights) == len(plain.trainable_weights)
-    for mine, theirs in zip(wrapped.get_weights(), plain.get_weights(), strict=True):
-        np.testing.assert_allclose(mine, theirs, atol=1e-5)
-    assert wrapped.count_params() == plain.count_params()
-
-
-def test_set_weights_takes_the_plain_models_list_into_every_copy(case):
-    make_wrapped, make_plain = case
-    wrapped, other = make_wrapped(0), make_plain(5)
-    x, y = _data(other)
-    _train(wrapped, x, y)
-    wrapped.set_weights(other.get_weights())
-    _assert_same_weights(wrapped, other)
-    for replica in getattr(wrapped, "replicas", []):
-        _assert_same_weights(replica, other)
-    _assert_predicts_like(wrapped, other, x)
-
-
-def test_weight_files_interchange_with_the_plain_model_both_ways(case, tmp_path):
-    make_wrapped, make_plain = case
-    wrapped, plain = make_wrapped(0), make_plain(5)
-    x, y = _data(plain)
-    _train(wrapped, x, y)
-    wrapped.save_weights(tmp_path / "wrapped.weights.h5")
-    plain.load_weights(tmp_path / "wrapped.weights.h5")
-    _assert_predicts_like(wrapped, plain, x)
-
-    other = make_plain(9)
-    other.save_weights(tmp_path / "plain.weights.h5")
-    wrapped.load_weights(tmp_path / "plain.weights.h5")
-    _assert_same_weights(wrapped, other)
-    _assert_predicts_like(wrapped, other, x)
-
-
-def test_model_checkpoint_files_load_in_plain_keras(case, tmp_path):
-    make_wrapped, make_plain = case
-    wrapped, plain = make_wrapped(0), make_plain(5)
-    x, y = _data(plain)
-    wrapped.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     callbacks = [
         keras.callbacks.ModelCheckpoint(str(tmp_path / "model-{epoch}.keras")),
         keras.callbacks.ModelCheckpoint(
             str(tmp_path / "model-{epoch}.weights.h5"), save_weights_only=True
         ),
     ]
-    wrapped.fit(x, y, batch_size=BATCH, epochs=2, callbacks=callbacks, verbose=0)
+    _train(wrapped, x, y, callbacks)
+    _train(plain, x, y)
+    # Weights and count_params after training.
+    assert len(wrapped.trainable_weights) == len(plain.trainable_weights)
+    for mine, theirs in zip(wrapped.get_weights(), plain.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, atol=1e-5)
+    assert wrapped.count_params() == plain.count_params()
+
+    # ModelCheckpoint files load in plain Keras.
     loaded = keras.saving.load_model(tmp_path / "model-2.keras")
     assert not hasattr(loaded, "stages") and not hasattr(loaded, "replicas")
     _assert_predicts_like(wrapped, loaded, x)
-    plain.load_weights(tmp_path / "model-2.weights.h5")
-    _assert_predicts_like(wrapped, plain, x)
+    from_checkpoint = make_plain(5)
+    from_checkpoint.load_weights(tmp_path / "model-2.weights.h5")
+    _assert_predicts_like(wrapped, from_checkpoint, x)
+
+    # Weight files interchange with the plain model both ways.
+    wrapped.save_weights(tmp_path / "wrapped.weights.h5")
+    from_wrapped = make_plain(5)
+    from_wrapped.load_weights(tmp_path / "wrapped.weights.h5")
+    _assert_predicts_like(wrapped, from_wrapped, x)
+    other = make_plain(9)
+    other.save_weights(tmp_path / "plain.weights.h5")
+    wrapped.load_weights(tmp_path / "plain.weights.h5")
+    _assert_same_weights(wrapped, other)
+    _assert_predicts_like(wrapped, other, x)
+
+    # set_weights takes the plain model's list into every copy.
+    wrapped.set_weights(from_wrapped.get_weights())
+    _assert_same_weights(wrapped, from_wrapped)
+    for replica in getattr(wrapped, "replicas", []):
+        _assert_same_weights(replica, from_wrapped)
+    _assert_predicts_like(wrapped, from_wrapped, x)
 
 
 def test_summary_shows_each_layers_stage_and_device(case):
