@@ -32,11 +32,11 @@ def _pipeline(make_stages, num_devices, chunks, num_microbatches, schedule, roll
 @pytest.mark.parametrize(
     "schedule, num_devices, chunks, num_microbatches",
     [
-        ("1f1b", 4, 1, 16),
+        ("1f1b", 4, 1, 8),
         ("zb_h1", 2, 1, 16),
-        ("zb_h2", 4, 1, 16),
+        ("zb_h2", 4, 1, 8),
         ("interleaved_1f1b", 2, 2, 8),
-        ("gpipe", 4, 1, 16),
+        ("gpipe", 4, 1, 8),
     ],
 )
 def test_rolled_pipeline_trains_like_unrolled_and_like_one_device(
@@ -66,7 +66,8 @@ def test_rolled_pipeline_trains_like_unrolled_and_like_one_device(
     np.testing.assert_allclose(losses[0], losses[2], rtol=1e-5)
 
 
-@pytest.mark.parametrize("schedule, loops", [("1f1b", 1), ("gpipe", 2)])
+# One loop: GPipe's two loops are held by the dense sweep above.
+@pytest.mark.parametrize("schedule, loops", [("1f1b", 1)])
 def test_rolled_transformer_with_sparse_embedding_gradients_and_remat_trains_like_the_model(
     schedule, loops
 ):
