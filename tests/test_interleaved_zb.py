@@ -99,38 +99,25 @@ def test_interleaved_zb_holds_v_minus_1_rounds_plus_p_chunk_activations_on_every
             assert result.peak_activations == ((v - 1) * per_round + p,) * p, (p, m, v)
 
 
-EQUALITY_GRID = [
-    (num_devices, num_microbatches, optimizer)
-    for num_devices, num_microbatches in ((2, 4), (2, 6), (4, 8))
-    for optimizer in ("sgd", "adam")
-]
+# 2 and 4 devices; 4 and 16 micro-batches (a round each, and four rounds), 6 (rounds of
+# uneven size); SGD and Adam. 32 rows: two a micro-batch at 16.
+EQUALITY_GRID = [(2, 4, "sgd"), (2, 6, "adam"), (4, 16, "adam")]
+# Warm-up, steady state and cool-down as one loop, not one copy per micro-batch.
+ONE_LOOP = {(2, 4), (4, 16)}
 
 
 @pytest.mark.parametrize("num_devices, num_microbatches, optimizer", EQUALITY_GRID)
-def test_interleaved_zb_trains_to_the_weights_of_one_device(
+def test_interleaved_zb_trains_to_the_weights_of_one_device_in_one_loop(
     num_devices, num_microbatches, optimizer
 ):
     reference, pipeline, initial, reference_loss, pipeline_loss = train_pipeline_and_chain(
-        dense_stages, num_devices, num_microbatches, "interleaved_zb", 2, optimizer
+        dense_stages, num_devices, num_microbatches, "interleaved_zb", 2, optimizer, batch_size=32
     )
     assert pipeline.schedule.name == "interleaved_zb"
     moved = max(np.abs(a - b).max() for a, b in zip(initial, pipeline.get_weights(), strict=True))
     assert moved > 1e-3
     assert max_weight_difference(reference, pipeline) < 1e-5
     np.testing.assert_allclose(pipeline_loss, reference_loss, rtol=1e-5)
-
-
-@pytest.mark.parametrize("num_devices, num_microbatches", [(2, 4), (4, 16)])
-def test_interleaved_zb_step_runs_as_one_loop(num_devices, num_microbatches):
-    _, pipeline, _, _, _ = train_pipeline_and_chain(
-        dense_stages,
-        num_devices,
-        num_microbatches,
-        "interleaved_zb",
-        2,
-        "sgd",
-        steps=1,
-        batch_size=32,
-    )
-    x, y = regression_batches(1, 32)[0]
-    assert loops_in_step(pipeline, x, y) == 1
+    if (num_devices, num_microbatches) in ONE_LOOP:
+        x, y = regression_batches(1, 32)[0]
+        assert loops_in_step(pipeline, x, y) == 1

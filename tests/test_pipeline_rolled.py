@@ -19,7 +19,7 @@ from pipeline_runtime_models import (
 from tfmulti.pipeline.runtime import PipelineModel
 from tfmulti.platform.runtime.devices import logical_device_names
 
-STEPS = 3
+STEPS = 2
 BATCH_SIZE = 32
 
 
@@ -32,11 +32,11 @@ def _pipeline(make_stages, num_devices, chunks, num_microbatches, schedule, roll
 @pytest.mark.parametrize(
     "schedule, num_devices, chunks, num_microbatches",
     [
-        ("1f1b", 4, 1, 16),
+        ("1f1b", 4, 1, 8),
         ("zb_h1", 2, 1, 16),
-        ("zb_h2", 4, 1, 16),
+        ("zb_h2", 4, 1, 8),
         ("interleaved_1f1b", 2, 2, 8),
-        ("gpipe", 4, 1, 16),
+        ("gpipe", 4, 1, 8),
     ],
 )
 def test_rolled_pipeline_trains_like_unrolled_and_like_one_device(
@@ -66,11 +66,12 @@ def test_rolled_pipeline_trains_like_unrolled_and_like_one_device(
     np.testing.assert_allclose(losses[0], losses[2], rtol=1e-5)
 
 
-@pytest.mark.parametrize("schedule, loops", [("1f1b", 1), ("gpipe", 2)])
+# One loop: GPipe's two loops are held by the dense sweep above.
+@pytest.mark.parametrize("schedule, loops", [("1f1b", 1)])
 def test_rolled_transformer_with_sparse_embedding_gradients_and_remat_trains_like_the_model(
     schedule, loops
 ):
-    (x, y), loss, whole, stages = token_transformer_and_stages(num_layers=4, num_stages=2)
+    (x, y), loss, whole, stages = token_transformer_and_stages(num_layers=2, num_stages=2)
     whole.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
     pipeline = PipelineModel(
         stages, logical_device_names("CPU")[:2], 8, schedule, remat=[True, False]

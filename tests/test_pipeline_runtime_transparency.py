@@ -10,18 +10,20 @@ from pipeline_runtime_models import (
     two_tensor_stages,
 )
 
+# Every schedule on 2 and 4 devices; each schedule and device count with two of the 1, 4
+# and 8 micro-batches (every count on every device count, in rotation): one executor runs
+# them all, so the whole product adds no code path.
 GRID = [
-    (schedule, num_devices, num_microbatches, chunks)
-    for schedule, chunks in [
-        ("gpipe", 1),
-        ("1f1b", 1),
-        ("interleaved_1f1b", 2),
-        ("zb_h1", 1),
-        ("zb_h2", 1),
-    ]
-    for num_devices in (2, 4)
-    for num_microbatches in (1, 4, 8)
-    if not (chunks > 1 and num_microbatches % num_devices)
+    ("gpipe", 2, 1, 1),
+    ("gpipe", 4, 8, 1),
+    ("1f1b", 2, 4, 1),
+    ("1f1b", 4, 1, 1),
+    ("interleaved_1f1b", 2, 8, 2),
+    ("interleaved_1f1b", 4, 4, 2),
+    ("zb_h1", 2, 1, 1),
+    ("zb_h1", 4, 8, 1),
+    ("zb_h2", 2, 8, 1),
+    ("zb_h2", 4, 4, 1),
 ]
 
 
@@ -44,12 +46,11 @@ def test_transparency_weights_match_one_device_training(
 @pytest.mark.parametrize(
     "make_stages, schedule, num_devices, num_microbatches",
     [
-        (residual_stages, "1f1b", 4, 4),
         (residual_stages, "zb_h1", 2, 8),
         (two_tensor_stages, "gpipe", 4, 4),
         (two_tensor_stages, "zb_h2", 2, 4),
     ],
-    ids=["residual-1f1b", "residual-zb_h1", "two_tensors-gpipe", "two_tensors-zb_h2"],
+    ids=["residual-zb_h1", "two_tensors-gpipe", "two_tensors-zb_h2"],
 )
 def test_transparency_holds_for_residual_blocks_and_two_tensor_boundaries(
     make_stages, schedule, num_devices, num_microbatches
