@@ -101,6 +101,48 @@ def launch(*args: str, **popen_options) -> subprocess.Popen:
     )
 
 
+# Parses each command line of argv[2] (a JSON list of argument lists) with the flags and
+# the parser of the script module argv[1], as `scripts/<script>.py` does, one after another
+# in this one process; prints [exit code, stderr] of each, and whether TensorFlow was
+# imported.
+_PARSE_EACH = """
+import contextlib, importlib, io, json, sys
+from absl import flags
+from tfmulti.flags.parsing import parse_flags_or_exit
+
+script = importlib.import_module(sys.argv[1])
+program = sys.argv[1].rsplit(".", 1)[1] + ".py"
+results = []
+for argv in json.loads(sys.argv[2]):
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            parse_flags_or_exit([program, *argv], usage=script.__doc__, module=script.__name__)
+            code = 0
+        except SystemExit as exit_request:
+            code = exit_request.code
+    flags.FLAGS.unparse_flags()
+    results.append([code, stderr.getvalue()])
+print(json.dumps({"results": results, "tensorflow": "tensorflow" in sys.modules}))
+"""
+
+
+def parse_each(module: str, command_lines: list[list[str]]) -> list[tuple[int, str]]:
+    """(exit code, stderr) of the parser of script `module` (e.g. tfmulti.cli.plan) on each
+    of `command_lines`, parsed in one fresh process before TensorFlow starts."""
+    result = subprocess.run(
+        [sys.executable, "-c", _PARSE_EACH, module, json.dumps(command_lines)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    parsed = json.loads(result.stdout.splitlines()[-1])
+    assert not parsed["tensorflow"]
+    return [tuple(case) for case in parsed["results"]]
+
+
 # A small run whose result any parallel strategy must reproduce exactly.
 COMMON = (
     "--model=mlp",

@@ -17,6 +17,7 @@ import pytest
 from script_runner import (
     REPO_ROOT,
     one_line_error,
+    parse_each,
     read_metrics,
     run_script,
     script_environment,
@@ -196,48 +197,6 @@ def test_fewer_devices_run_on_whole_hosts_or_inside_one():
     assert launch_flags(one_host) == [] and one_host.cross_host_axis is None
 
 
-# Parses each command line of argv[2] (a JSON list of argument lists) with the flags and
-# the parser of the script module argv[1], as `scripts/<script>.py` does, one after another
-# in this one process; prints [exit code, stderr] of each, and whether TensorFlow was
-# imported.
-_PARSE_EACH = """
-import contextlib, importlib, io, json, sys
-from absl import flags
-from tfmulti.flags.parsing import parse_flags_or_exit
-
-script = importlib.import_module(sys.argv[1])
-program = sys.argv[1].rsplit(".", 1)[1] + ".py"
-results = []
-for argv in json.loads(sys.argv[2]):
-    stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr):
-        try:
-            parse_flags_or_exit([program, *argv], usage=script.__doc__, module=script.__name__)
-            code = 0
-        except SystemExit as exit_request:
-            code = exit_request.code
-    flags.FLAGS.unparse_flags()
-    results.append([code, stderr.getvalue()])
-print(json.dumps({"results": results, "tensorflow": "tensorflow" in sys.modules}))
-"""
-
-
-def _parse_each(module: str, command_lines: list[list[str]]) -> list[tuple[int, str]]:
-    """(exit code, stderr) of the parser of script `module` (e.g. tfmulti.cli.plan) on each
-    of `command_lines`, parsed in one fresh process before TensorFlow starts."""
-    result = subprocess.run(
-        [sys.executable, "-c", _PARSE_EACH, module, json.dumps(command_lines)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    parsed = json.loads(result.stdout.splitlines()[-1])
-    assert not parsed["tensorflow"]
-    return [tuple(case) for case in parsed["results"]]
-
-
 LAYOUTS_OVER_HOSTS = [
     (HybridMesh(data=4), "data", ["--strategy=multi_worker"]),
     (HybridMesh(pipe=4), "pipe", ["--strategy=pipeline", "--num_stages=4"]),
@@ -257,7 +216,7 @@ def _layout_over_hosts(mesh: HybridMesh, axis: str):
 @pytest.fixture(scope="module")
 def parsed_layout_flags() -> list[tuple[int, str]]:
     """train.py's parser on the train flags of each of `LAYOUTS_OVER_HOSTS`."""
-    return _parse_each(
+    return parse_each(
         "tfmulti.cli.train",
         [
             train_flags(_layout_over_hosts(mesh, axis), GRADIENT_HEAVY, GLOBAL_BATCH)
@@ -316,7 +275,7 @@ _NO_COSTS = ("--costs=/nonexistent.json", "--machine_costs=none")
 @pytest.fixture(scope="module")
 def parsed_host_flags() -> list[tuple[int, str]]:
     """plan.py's parser on each of `CONTRADICTORY_HOST_FLAGS`."""
-    return _parse_each(
+    return parse_each(
         "tfmulti.cli.plan", [[*flags, *_NO_COSTS] for flags, _ in CONTRADICTORY_HOST_FLAGS]
     )
 

@@ -6,12 +6,8 @@ flags defined) in one process, case by case, and one of them through the script 
 the errors found once training has started are each a run of the script.
 """
 
-import json
-import subprocess
-import sys
-
 import pytest
-from script_runner import REPO_ROOT, USER_CODE_ENV, last_line, run_script
+from script_runner import USER_CODE_ENV, last_line, parse_each, run_script
 
 BAD_FLAGS = [
     ("--batch_size=0", "batch_size"),
@@ -47,43 +43,12 @@ BAD_FLAGS = [
 ]
 
 
-# Parses each command line of argv[1] (a JSON list) with train.py's flags and parser, and
-# prints {flag: [exit code, stderr]} and whether TensorFlow was imported.
-_PARSE_EACH = """
-import contextlib, io, json, sys
-from absl import flags
-import tfmulti.cli.train as script
-from tfmulti.flags.parsing import parse_flags_or_exit
-
-results = {}
-for flag in json.loads(sys.argv[1]):
-    stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr):
-        try:
-            parse_flags_or_exit(["train.py", flag], usage=script.__doc__, module=script.__name__)
-            code = 0
-        except SystemExit as exit_request:
-            code = exit_request.code
-    flags.FLAGS.unparse_flags()
-    results[flag] = [code, stderr.getvalue()]
-print(json.dumps({"results": results, "tensorflow": "tensorflow" in sys.modules}))
-"""
-
-
 @pytest.fixture(scope="module")
 def parsed_bad_flags() -> dict:
     """{flag: (exit code, stderr)} of train.py's parser on each of `BAD_FLAGS` alone."""
-    result = subprocess.run(
-        [sys.executable, "-c", _PARSE_EACH, json.dumps([flag for flag, _ in BAD_FLAGS])],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    parsed = json.loads(result.stdout.splitlines()[-1])
-    assert not parsed["tensorflow"]  # refused before TensorFlow starts
-    return parsed["results"]
+    flags = [flag for flag, _ in BAD_FLAGS]
+    results = parse_each("tfmulti.cli.train", [[flag] for flag in flags])
+    return dict(zip(flags, results, strict=True))
 
 
 @pytest.mark.parametrize("flag, name", BAD_FLAGS)
