@@ -10,6 +10,10 @@ import sys
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# TensorFlow's preemption handler (every training run's) asks whether it runs on GCP by an
+# HTTP request to the metadata server, a DNS lookup off this machine: tests send only to
+# loopback, so the request goes to a closed loopback port and is refused at once.
+os.environ.setdefault("GCE_METADATA_IP", "127.0.0.1:1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 NUM_TEST_DEVICES = 8

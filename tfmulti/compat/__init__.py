@@ -23,7 +23,12 @@ __all__ = ["active_fixes", "install", "install_when_keras_loads"]
 
 
 # The modules whose fixes `install` applies, each with `apply_fixes` and `active_fix_names`.
-_FIX_MODULES = ("keras_multi_worker", "keras_sparse_gradients", "keras_replica_state")
+_FIX_MODULES = (
+    "keras_multi_worker",
+    "keras_sparse_gradients",
+    "keras_replica_state",
+    "keras_traceback_lines",
+)
 # Called after every `install` (see `install_when_keras_loads`).
 _AFTER_INSTALL: list[Callable[[], None]] = []
 
