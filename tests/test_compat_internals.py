@@ -138,6 +138,28 @@ def test_compute_loss_and_track_loss():
     assert float(model.metrics[0].result()) == pytest.approx(3.0)
 
 
+def test_symbolic_builds_make_metrics_loss_and_optimizer_without_a_step():
+    x, y = np.ones((2, 3), "float32"), np.zeros((2, 2), "float32")
+    batch = tuple(keras.KerasTensor((None, *v.shape[1:]), "float32") for v in (x, y))
+    model = _functional()
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    keras_internals.symbolic_build(model, batch)
+    assert model.optimizer.built and keras_internals.compiled_metrics(model).built
+    model = _functional()
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    y_pred = keras.KerasTensor((None, 2), "float32")
+    keras_internals.build_compiled_metrics_and_loss(model, *batch, y_pred, None)
+    assert keras_internals.compiled_metrics(model).built and model._compile_loss.built
+    assert not model.optimizer.built
+    from keras.src.backend.tensorflow.trainer import TFEpochIterator
+
+    epochs = TFEpochIterator(
+        x=tf.data.Dataset.from_tensor_slices((x, y)).batch(2),
+        distribute_strategy=tf.distribute.get_strategy(),
+    )
+    assert keras_internals.epoch_dataset(epochs).element_spec[0].shape.as_list() == [None, 3]
+
+
 def test_learning_rate_setting_keeps_the_schedule():
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
     assert keras_internals.learning_rate_setting(keras.optimizers.SGD(schedule)) is schedule

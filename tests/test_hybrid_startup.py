@@ -46,6 +46,24 @@ def _hybrid(make_stages, mesh_text, schedule="1f1b", num_microbatches=4):
     return model
 
 
+def test_a_first_fit_with_metrics_traces_the_step_once():
+    # Variables made in the first trace (replicas, metrics, optimizer slots) would make
+    # tf.function trace the whole step again.
+    model = _hybrid(lambda: dense_stages(2), "data=2,pipe=2")
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    traces = []
+    run = model._shared_schedule.run
+
+    def counted(*args):
+        traces.append(args[0])
+        return run(*args)
+
+    model._shared_schedule.run = counted
+    x, y = regression_batches(1, 16)[0]
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=2, verbose=0)
+    assert traces == [0, 1]  # one trace of the step: each replica's schedule once
+
+
 def _stage_functions_in_step(model, batch) -> int:
     """Functions in the traced training step's library cut out of a stage's graph."""
     step = tf.function(model.train_step, autograph=False)

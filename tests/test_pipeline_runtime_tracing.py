@@ -85,6 +85,31 @@ def test_each_stage_forward_and_backward_traced_once_whatever_the_microbatches(s
     assert many == expected
 
 
+@pytest.mark.parametrize("source", ["arrays", "dataset"])
+def test_a_first_fit_with_metrics_traces_the_step_once(source):
+    # Keras builds a model without a strategy in its first step's trace; variables made
+    # there (stages, metrics, loss, optimizer slots) made tf.function trace the step twice.
+    devices = logical_device_names("CPU")[:NUM_DEVICES]
+    pipeline = PipelineModel(_stages(NUM_DEVICES), devices, 4, "1f1b")
+    pipeline.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    schedule_traces = []
+    run_schedule = pipeline.run_schedule
+
+    def counted(*args, **kwargs):
+        schedule_traces.append(args)
+        return run_schedule(*args, **kwargs)
+
+    pipeline.run_schedule = counted
+    x, y = regression_batches(1, 2 * BATCH_SIZE)[0]
+    if source == "arrays":
+        history = pipeline.fit(x, y, batch_size=BATCH_SIZE, epochs=2, verbose=0)
+    else:
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH_SIZE)
+        history = pipeline.fit(data, epochs=2, verbose=0)
+    assert len(schedule_traces) == 1
+    assert np.isfinite(history.history["mae"]).all()
+
+
 def _traces_of_evaluation(num_microbatches):
     pipeline = _built_pipeline(num_microbatches, "1f1b")
     TRACES.clear()

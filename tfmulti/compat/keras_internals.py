@@ -278,6 +278,36 @@ def restore_storage(variables, values, device: str) -> None:
             reinitialize_variable(variable, value)
 
 
+def epoch_dataset(iterator):
+    """The tf.data dataset (or distributed dataset) a `fit` or `evaluate` epoch iterator
+    reads, already made from any input Keras takes: `TFEpochIterator._distributed_dataset`."""
+    return _private(iterator, "_distributed_dataset", "TFEpochIterator._distributed_dataset")
+
+
+def symbolic_build(model: keras.Model, data_batch) -> None:
+    """Builds what `model`'s first step would (layers, compiled metrics and loss, optimizer)
+    from `data_batch`'s shapes, without a step: `Trainer._symbolic_build`."""
+    _private(model, "_symbolic_build", "Trainer._symbolic_build")(data_batch=data_batch)
+
+
+def build_compiled_metrics_and_loss(model: keras.Model, x, y, y_pred, sample_weight) -> None:
+    """Builds `model`'s unbuilt compiled metrics and loss from KerasTensors like a batch and
+    its outputs, as `Trainer._symbolic_build` does after its symbolic call of the model."""
+    from keras.src import backend
+
+    metrics = compiled_metrics(model)
+    if metrics is not None and not metrics.built:
+        backend.compute_output_spec(
+            model.compute_metrics, x, y, y_pred, sample_weight=sample_weight
+        )
+    loss = _private(model, "_compile_loss", "Trainer._compile_loss")
+    if loss is not None and not loss.built:
+        compute_loss = _private(model, "_compute_loss", "Trainer._compute_loss")
+        backend.compute_output_spec(
+            compute_loss, x, y, y_pred, sample_weight=sample_weight, training=False
+        )
+
+
 def compiled_metrics(model: keras.Model):
     """The metrics `compile` was given (`Trainer._compile_metrics`), or None."""
     return _private(model, "_compile_metrics", "Trainer._compile_metrics")

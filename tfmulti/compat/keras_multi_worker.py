@@ -77,7 +77,7 @@ def _first_local_value(strategy: tf.distribute.Strategy, value):
     return value
 
 
-def _symbolic_batch(iterator):
+def symbolic_batch(iterator):
     """Placeholders shaped like a batch of the epoch's tf.data input, or None.
 
     None when the input is not a tf.data dataset of dense batches of known rank
@@ -86,7 +86,12 @@ def _symbolic_batch(iterator):
     adapter = getattr(iterator, "data_adapter", None)
     if not isinstance(adapter, tf_dataset_adapter.TFDatasetAdapter):
         return None
-    element_spec = adapter.get_tf_dataset().element_spec
+    return placeholders_like(adapter.get_tf_dataset().element_spec)
+
+
+def placeholders_like(element_spec):
+    """KerasTensors (any batch size) matching a dataset's `element_spec`, or None unless
+    every element is a dense tensor of known rank."""
     specs = tree.flatten(element_spec)
     if not all(isinstance(spec, tf.TensorSpec) and spec.shape.rank for spec in specs):
         return None
@@ -107,9 +112,9 @@ def _build_from_one_replica(original: Callable) -> Callable:
         # reshuffles on each new iterator, or a generator, trains on other batches than
         # without a strategy; and the draw fails on a finite validation set that the
         # last evaluation used up (a bare StopIteration).
-        symbolic_batch = _symbolic_batch(iterator)
-        if symbolic_batch is not None:
-            return original(self, data_batch=symbolic_batch)
+        placeholders = symbolic_batch(iterator)
+        if placeholders is not None:
+            return original(self, data_batch=placeholders)
         if not is_multi_worker(strategy):
             return original(self, iterator=iterator, data_batch=data_batch)
         # Upstream averages the batch over replicas with `strategy.reduce`, which under

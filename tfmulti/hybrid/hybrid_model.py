@@ -272,6 +272,12 @@ class HybridPipelineModel(WrappedModel, ScheduledTrainStep, keras.Model):
             predictions=concat_microbatches([concat_microbatches(r.outputs) for r in results]),
         )
 
+    def build_parts(self, x) -> None:
+        self._build_replicas(x)
+
+    def output_spec(self):
+        return self.replicas[0].output_spec()
+
     def _build_replicas(self, inputs) -> None:
         """Builds every replica on its devices, then makes every copy equal replica 0's
         weights (and, across workers, the chief's)."""

@@ -128,6 +128,7 @@ class PipelineModel(WrappedModel, ScheduledTrainStep, keras.Model):
         # The model `from_model` cut (None for a stage list), the input spec seen first and
         # the stages chained into a model once that spec is known.
         self._export = types.SimpleNamespace(model=None, input_spec=None, chained=None)
+        self._output_spec = None
 
     def _use_xla(self, enabled: bool) -> None:
         """`compile(jit_compile=True)` compiles each stage's functions with XLA for the
@@ -142,7 +143,8 @@ class PipelineModel(WrappedModel, ScheduledTrainStep, keras.Model):
 
     def make_train_function(self, force=False):
         # Optimizer slots made during the first trace make tf.function trace the whole
-        # step twice; once the stages are built, the optimizer can be built beforehand.
+        # step twice; once the stages are built, the optimizer can be built beforehand
+        # (for input `fit` could not read shapes from: see `build_ahead_of_tracing`).
         optimizer = self.optimizer
         if optimizer is not None and not optimizer.built and self._stages_built():
             optimizer.build(self.optimizer_variable_order())
@@ -150,6 +152,9 @@ class PipelineModel(WrappedModel, ScheduledTrainStep, keras.Model):
 
     def _stages_built(self) -> bool:
         return all(stage.built for stage in self.stages)
+
+    def build_parts(self, x) -> None:
+        self.build_stages(x)
 
     def build(self, input_shape=None):
         # Stages are built on their devices at the first call, once input dtypes are known.
@@ -460,9 +465,15 @@ class PipelineModel(WrappedModel, ScheduledTrainStep, keras.Model):
         if self._export.input_spec is None:
             self._export.input_spec = input_spec(inputs)
         if not all(stage.built for stage in self.stages):
-            build_stages_on_devices(self.stages, self.stage_devices, inputs)
+            outputs = build_stages_on_devices(self.stages, self.stage_devices, inputs)
+            self._output_spec = input_spec(outputs)
             check_stage_placement(self.stages, self.stage_devices)
         self.built = True
+
+    def output_spec(self):
+        """KerasTensors (any batch size) like the model's outputs, once `build_stages`
+        built the stages; else None."""
+        return self._output_spec
 
     def build_stages_like(self, first: PipelineModel, inputs) -> None:
         """Builds this copy of `first` (built) on its own devices from `first`'s layers'

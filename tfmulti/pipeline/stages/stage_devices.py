@@ -54,8 +54,9 @@ def resolve_devices(devices: Sequence[str]) -> list[str]:
 
 def build_stages_on_devices(
     stages: Sequence[keras.layers.Layer], stage_device_names: Sequence[str], inputs
-) -> None:
-    """Builds every unbuilt stage under its device, feeding each the previous one's output spec.
+):
+    """Builds every unbuilt stage under its device, feeding each the previous one's output
+    spec; returns the last stage's (KerasTensors).
 
     Keras builds layers eagerly inside `tf.init_scope`, which forgets the device scope of a
     traced function, so the device is entered again inside it.
@@ -73,6 +74,7 @@ def build_stages_on_devices(
         for stage, device in zip(stages, stage_device_names, strict=True):
             with tf.device(device):
                 spec = stage(spec)
+    return spec
 
 
 def build_from_build_configs(
