@@ -133,6 +133,24 @@ def test_branched_two_input_model_trains_to_the_unplaced_weights(optimizer):
         np.testing.assert_allclose(actual, reference, rtol=1e-5, atol=1e-6)
 
 
+def test_a_first_fit_with_metrics_traces_the_step_once():
+    # Keras builds metrics and optimizer slots of a model without a strategy in the first
+    # step's trace, which made tf.function trace the step twice.
+    placed = place(_skip_model(), SKIP_MAP, print_fn=None)
+    placed.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    traces = []
+    train_step = placed.train_step
+
+    def counted(data):
+        traces.append(data)
+        return train_step(data)
+
+    placed.train_step = counted
+    x, y = _skip_data()
+    placed.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert len(traces) == 1
+
+
 def test_weightless_units_left_out_of_the_map_run_with_their_producer():
     placed = place(_skip_model(), SKIP_MAP, print_fn=None)
     device_of = placed.placement_summary.device_of

@@ -16,10 +16,11 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from tfmulti.build_ahead import BuildsAheadOfTracing
 from tfmulti.platform.runtime.optimizer_devices import place_optimizer_on_variable_devices
 
 
-class WrappedModel:
+class WrappedModel(BuildsAheadOfTracing):
     """Mixin, before `keras.Model`, for a model that trains a user's model spread over devices.
 
     A subclass gives:
@@ -31,6 +32,8 @@ class WrappedModel:
         _use_xla(enabled), _check_optimizer(optimizer): optional, see `compile`.
         _weights_changed(): optional; called after weights are set or loaded from
             outside (a hybrid model copies them into its other replicas).
+        build_parts(x), output_spec(): optional; see `BuildsAheadOfTracing`, which builds
+            what the first step would before it is traced.
 
     Example:
         >>> class PlacedModel(WrappedModel, keras.Model): ...

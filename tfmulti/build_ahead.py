@@ -1,0 +1,75 @@
+"""Everything a model's first training step would create, built before that step is traced.
+
+Keras builds a model that has no distribution strategy (tfmulti's pipeline, hybrid and
+placed models drive their devices themselves) inside the first trace of its step: the
+compiled metrics and loss, the optimizer's slots, and for a pipeline its stages. A
+variable made during a trace makes tf.function trace the whole step a second time, and a
+pipeline's step, every micro-batch's forward and backward, is the costliest trace there
+is. Keras' hook before `fit`, `evaluate` and `*_on_batch` make their functions
+(`_maybe_symbolic_build`) builds all of it here from the batch's shapes instead.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+from keras import tree
+
+from tfmulti.compat import keras_internals
+from tfmulti.compat.keras_multi_worker import placeholders_like
+
+
+class BuildsAheadOfTracing:
+    """Mixin, before `keras.Model`: builds what the first step would, before it is traced.
+
+    A subclass may answer `build_parts(x)` (build the parts that hold weights),
+    `output_spec()` (the outputs' KerasTensors, once known: the compiled metrics and loss
+    then build without a symbolic call of the model) and `optimizer_variable_order()`.
+    """
+
+    def build_parts(self, x) -> None:
+        """Builds the parts holding weights for batches like `x` (KerasTensors); nothing by
+        default."""
+
+    def output_spec(self):
+        """KerasTensors like the model's outputs, once `build_parts` knows them; else None."""
+        return None
+
+    def optimizer_variable_order(self) -> list:
+        """The trainable variables in the order steps hand them to the optimizer."""
+        return self.trainable_variables
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        if self._distribute_strategy is None:
+            if data_batch is None and iterator is not None:
+                dataset = keras_internals.epoch_dataset(iterator)
+                if isinstance(dataset, tf.data.Dataset):
+                    data_batch = placeholders_like(dataset.element_spec)
+            if data_batch is not None:
+                self.build_ahead_of_tracing(data_batch)
+                return None
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+    def build_ahead_of_tracing(self, data_batch) -> None:
+        """Builds the parts, optimizer, compiled metrics and loss for batches like
+        `data_batch` ((x, y, sample_weight) of tensors, arrays or KerasTensors)."""
+        data_batch = tree.map_structure(_placeholder, data_batch)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data_batch)
+        self.build_parts(x)
+        optimizer = self.optimizer
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(self.optimizer_variable_order())
+        y_pred = self.output_spec()
+        if y_pred is None:
+            # Keras computes the outputs' spec by a symbolic call of the model.
+            keras_internals.symbolic_build(self, data_batch)
+        else:
+            keras_internals.build_compiled_metrics_and_loss(self, x, y, y_pred, sample_weight)
+
+
+def _placeholder(value):
+    """A KerasTensor (any batch size) like `value`, a tensor, array or KerasTensor."""
+    if value is None:
+        return None
+    dtype = keras.backend.standardize_dtype(value.dtype)
+    return keras.KerasTensor((None, *value.shape[1:]), dtype=dtype)
