@@ -100,7 +100,8 @@ def test_fixes_are_active_whichever_import_comes_first(import_order_output, orde
         "'steps_per_execution_in_a_plain_loop', 'non_chief_callbacks_write_to_scratch', "
         "'merge_repeated_sparse_gradient_rows', "
         "'mean_aggregated_layer_state_under_strategies', "
-        "'traceback_entries_without_a_line'] True"
+        "'traceback_entries_without_a_line', "
+        "'build_ahead_of_the_first_trace_without_a_strategy'] True"
     )
 
 

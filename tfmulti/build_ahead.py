@@ -5,18 +5,17 @@ placed models drive their devices themselves) inside the first trace of its step
 compiled metrics and loss, the optimizer's slots, and for a pipeline its stages. A
 variable made during a trace makes tf.function trace the whole step a second time, and a
 pipeline's step, every micro-batch's forward and backward, is the costliest trace there
-is. Keras' hook before `fit`, `evaluate` and `*_on_batch` make their functions
-(`_maybe_symbolic_build`) builds all of it here from the batch's shapes instead.
+is. `tfmulti/compat/keras_build_ahead.py` has Keras call `build_ahead_of_tracing` before
+`fit`, `evaluate` and `*_on_batch` make their functions, which builds all of it from the
+batch's shapes instead.
 """
 
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
 from keras import tree
 
 from tfmulti.compat import keras_internals
-from tfmulti.compat.keras_multi_worker import placeholders_like
 
 
 class BuildsAheadOfTracing:
@@ -39,20 +38,10 @@ class BuildsAheadOfTracing:
         """The trainable variables in the order steps hand them to the optimizer."""
         return self.trainable_variables
 
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        if self._distribute_strategy is None:
-            if data_batch is None and iterator is not None:
-                dataset = keras_internals.epoch_dataset(iterator)
-                if isinstance(dataset, tf.data.Dataset):
-                    data_batch = placeholders_like(dataset.element_spec)
-            if data_batch is not None:
-                self.build_ahead_of_tracing(data_batch)
-                return None
-        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
-
     def build_ahead_of_tracing(self, data_batch) -> None:
         """Builds the parts, optimizer, compiled metrics and loss for batches like
-        `data_batch` ((x, y, sample_weight) of tensors, arrays or KerasTensors)."""
+        `data_batch` ((x, y, sample_weight) of tensors, arrays or KerasTensors; a tensor's
+        or array's whole shape counts, as in a trace of a step on it)."""
         data_batch = tree.map_structure(_placeholder, data_batch)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data_batch)
         self.build_parts(x)
@@ -68,8 +57,7 @@ class BuildsAheadOfTracing:
 
 
 def _placeholder(value):
-    """A KerasTensor (any batch size) like `value`, a tensor, array or KerasTensor."""
-    if value is None:
-        return None
-    dtype = keras.backend.standardize_dtype(value.dtype)
-    return keras.KerasTensor((None, *value.shape[1:]), dtype=dtype)
+    """`value` if a KerasTensor (or None), else a KerasTensor shaped like it."""
+    if value is None or isinstance(value, keras.KerasTensor):
+        return value
+    return keras.KerasTensor(tuple(value.shape), dtype=keras.backend.standardize_dtype(value.dtype))

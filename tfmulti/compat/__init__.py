@@ -28,6 +28,7 @@ _FIX_MODULES = (
     "keras_sparse_gradients",
     "keras_replica_state",
     "keras_traceback_lines",
+    "keras_build_ahead",
 )
 # Called after every `install` (see `install_when_keras_loads`).
 _AFTER_INSTALL: list[Callable[[], None]] = []
