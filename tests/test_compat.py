@@ -220,3 +220,19 @@ def test_upstream_keras_still_cannot_fit_with_xla_under_a_mirrored_strategy():
     x, y = np.ones((16, 4), "float32"), np.ones((16, 3), "float32")
     with pytest.raises(Exception, match="Trying to access resource .* located in device"):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
+def test_upstream_keras_still_builds_a_model_without_a_strategy_in_its_first_trace():
+    # Fails once Keras builds such a model before tracing: then remove keras_build_ahead.
+    import keras
+    import numpy as np
+
+    from tfmulti.compat import keras_build_ahead, keras_internals
+
+    original = keras_build_ahead.FIX_SET.original(keras_build_ahead.FIXES[0].name)
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    original(model, data_batch=(np.ones((4, 3), "float32"), np.ones((4, 2), "float32"), None))
+    assert not keras_internals.compiled_metrics(model).built
+    assert not model.optimizer.built

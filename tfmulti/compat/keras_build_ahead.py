@@ -60,14 +60,14 @@ FIXES = (
     ),
 )
 
-_FIXES = FixSet(FIXES)
+FIX_SET = FixSet(FIXES)
 
 
 def apply_fixes() -> list[str]:
     """Applies the fix where the installed Keras needs it (idempotent); returns its name."""
-    return _FIXES.apply()
+    return FIX_SET.apply()
 
 
 def active_fix_names() -> list[str]:
     """Names of the fixes of this module currently applied."""
-    return _FIXES.active_names()
+    return FIX_SET.active_names()
