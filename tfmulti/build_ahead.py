@@ -22,16 +22,18 @@ class BuildsAheadOfTracing:
     """Mixin, before `keras.Model`: builds what the first step would, before it is traced.
 
     A subclass may answer `build_parts(x)` (build the parts that hold weights),
-    `output_spec()` (the outputs' KerasTensors, once known: the compiled metrics and loss
-    then build without a symbolic call of the model) and `optimizer_variable_order()`.
+    `output_spec(x)` (the outputs' KerasTensors for inputs like `x`, where known: the
+    compiled metrics and loss then build without a symbolic call of the model) and
+    `optimizer_variable_order()`.
     """
 
     def build_parts(self, x) -> None:
         """Builds the parts holding weights for batches like `x` (KerasTensors); nothing by
         default."""
 
-    def output_spec(self):
-        """KerasTensors like the model's outputs, once `build_parts` knows them; else None."""
+    def output_spec(self, x):
+        """KerasTensors like the model's outputs for inputs like `x` (KerasTensors), where
+        known without a symbolic call of the model; else None."""
         return None
 
     def optimizer_variable_order(self) -> list:
@@ -48,7 +50,7 @@ class BuildsAheadOfTracing:
         optimizer = self.optimizer
         if optimizer is not None and not optimizer.built:
             optimizer.build(self.optimizer_variable_order())
-        y_pred = self.output_spec()
+        y_pred = self.output_spec(x)
         if y_pred is None:
             # Keras computes the outputs' spec by a symbolic call of the model.
             keras_internals.symbolic_build(self, data_batch)

@@ -32,7 +32,7 @@ class WrappedModel(BuildsAheadOfTracing):
         _use_xla(enabled), _check_optimizer(optimizer): optional, see `compile`.
         _weights_changed(): optional; called after weights are set or loaded from
             outside (a hybrid model copies them into its other replicas).
-        build_parts(x), output_spec(): optional; see `BuildsAheadOfTracing`, which builds
+        build_parts(x), output_spec(x): optional; see `BuildsAheadOfTracing`, which builds
             what the first step would before it is traced.
 
     Example:

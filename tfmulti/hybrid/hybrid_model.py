@@ -275,8 +275,8 @@ class HybridPipelineModel(WrappedModel, ScheduledTrainStep, keras.Model):
     def build_parts(self, x) -> None:
         self._build_replicas(x)
 
-    def output_spec(self):
-        return self.replicas[0].output_spec()
+    def output_spec(self, x):
+        return self.replicas[0].output_spec(x)
 
     def _build_replicas(self, inputs) -> None:
         """Builds every replica on its devices, then makes every copy equal replica 0's

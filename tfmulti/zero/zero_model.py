@@ -222,6 +222,11 @@ class ZeroDataParallel(WrappedModel, keras.Model):
 
             object.__setattr__(self.optimizer, "finalize_variable_values", finalize_blocks)
 
+    def output_spec(self, x):
+        # The plain model's: a symbolic call of this model would go through `__call__`,
+        # which no step uses (each step runs the replicas itself).
+        return self.plain_model.compute_output_spec(x)
+
     def call(self, inputs, training=False):
         outputs, _ = self._replica_outputs(inputs, training=training)
         return outputs

@@ -470,7 +470,7 @@ class PipelineModel(WrappedModel, ScheduledTrainStep, keras.Model):
             check_stage_placement(self.stages, self.stage_devices)
         self.built = True
 
-    def output_spec(self):
+    def output_spec(self, x):
         """KerasTensors (any batch size) like the model's outputs, once `build_stages`
         built the stages; else None."""
         return self._output_spec
