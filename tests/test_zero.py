@@ -140,6 +140,11 @@ def test_mixed_precision_and_steps_per_execution_train_as_on_one_device():
         reference, _ = _train(_mlp, steps_per_execution=3)
         zero, _ = _train(_mlp, stage=2, steps_per_execution=3)
         assert type(zero.optimizer).__name__ == "LossScaleOptimizer"
+        # Calling the model reads each replica's weights as its steps do (the call's own
+        # autocast once read only replica 0's own block in float16).
+        x = _data(False)[0][:8]
+        # (float16 outputs: the call casts the inputs to float16 first, predict does not.)
+        np.testing.assert_allclose(zero(x), zero.predict(x, verbose=0), rtol=1e-2, atol=1e-3)
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
     for expected, got in zip(reference.get_weights(), zero.get_weights(), strict=True):

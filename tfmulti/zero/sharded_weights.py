@@ -13,6 +13,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmulti.compat.keras_internals import variable_storage
 from tfmulti.zero.layout import ShardLayout
 
 
@@ -120,7 +121,14 @@ class ShardedWeights:
     def _read(self, variable, owner: int) -> tf.Tensor:
         """`variable`'s value read where it lives: device `owner` for a block, the
         holding device for a copy; the caller's device receives it."""
-        device = self.devices[owner] if isinstance(variable, keras.Variable) else variable.device
+        if isinstance(variable, keras.Variable):
+            device = self.devices[owner]
+            # Its storage, not `value`: a mixed-precision caller's autocast would read only
+            # this replica's own block in the compute dtype.
+            storage = variable_storage(variable)
+            variable = variable if storage is None else storage
+        else:
+            device = variable.device
         with tf.device(device):
             return tf.convert_to_tensor(variable)
 
