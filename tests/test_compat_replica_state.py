@@ -52,7 +52,7 @@ def test_upstream_keras_still_gives_layer_state_no_aggregation(monkeypatch):
 
 @pytest.mark.parametrize("how", ["mirrored", "keras_data_parallel"])
 def test_moving_statistics_average_the_replicas_and_their_copies_stay_equal(how):
-    assert "mean_aggregated_layer_state_under_strategies" in keras_replica_state.apply_fixes()
+    assert "mean_aggregated_layer_state_under_strategies" in keras_replica_state.FIX_SET.apply()
     reference = fit(normalized_inputs_model())
     if how == "mirrored":
         strategy = two_replicas()

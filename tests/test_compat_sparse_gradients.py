@@ -36,7 +36,7 @@ def test_upstream_keras_still_counts_repeated_rows_apart():
 
 
 def test_with_the_fix_repeated_rows_train_like_the_dense_gradient():
-    assert "merge_repeated_sparse_gradient_rows" in keras_sparse_gradients.apply_fixes()
+    assert "merge_repeated_sparse_gradient_rows" in keras_sparse_gradients.FIX_SET.apply()
     dense = _adam_step(tf.convert_to_tensor(_repeated_rows()))
     np.testing.assert_allclose(_adam_step(_repeated_rows()), dense, rtol=1e-6)
 

@@ -41,7 +41,7 @@ def test_upstream_keras_still_fails_on_an_entry_without_a_line():
 
 
 def test_with_the_fix_a_keras_filtered_call_raises_the_error_itself():
-    assert "traceback_entries_without_a_line" in keras_traceback_lines.apply_fixes()
+    assert "traceback_entries_without_a_line" in keras_traceback_lines.FIX_SET.apply()
     assert keras.config.is_traceback_filtering_enabled()
     filtered = traceback_utils.filter_traceback(_raises_terminated_without_a_line)
     with pytest.raises(Terminated) as raised:

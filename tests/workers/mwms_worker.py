@@ -134,7 +134,7 @@ def main():
     else:
         result = {
             name: fit_without(strategy, name, args.model_dir)
-            for name in keras_multi_worker.active_fix_names()
+            for name in keras_multi_worker.FIX_SET.active_names()
         }
     result["num_replicas"] = strategy.num_replicas_in_sync
     with open(os.path.join(args.out, f"worker{cluster.task_index}.json"), "w") as file:

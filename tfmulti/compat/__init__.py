@@ -22,7 +22,7 @@ from collections.abc import Callable
 __all__ = ["active_fixes", "install", "install_when_keras_loads"]
 
 
-# The modules whose fixes `install` applies, each with `apply_fixes` and `active_fix_names`.
+# The modules whose fixes `install` applies, each with its `FIX_SET` (`compat.fixes.FixSet`).
 _FIX_MODULES = (
     "keras_multi_worker",
     "keras_sparse_gradients",
@@ -49,7 +49,7 @@ def install() -> list[str]:
     keras_distribution_tf.apply_patches()
     names = []
     for name in _FIX_MODULES:
-        names += importlib.import_module(f"tfmulti.compat.{name}").apply_fixes()
+        names += importlib.import_module(f"tfmulti.compat.{name}").FIX_SET.apply()
     for then in _AFTER_INSTALL:
         then()
     return names
@@ -60,7 +60,7 @@ def active_fixes() -> list[str]:
     names = []
     for name in _FIX_MODULES:
         module = sys.modules.get(f"tfmulti.compat.{name}")
-        names += module.active_fix_names() if module is not None else []
+        names += module.FIX_SET.active_names() if module is not None else []
     return names
 
 

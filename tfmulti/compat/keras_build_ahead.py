@@ -24,7 +24,8 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tensorflow_trainer
 
 from tfmulti.compat import keras_internals
-from tfmulti.compat.keras_multi_worker import Fix, FixSet, placeholders_like
+from tfmulti.compat.fixes import Fix, FixSet
+from tfmulti.compat.keras_multi_worker import placeholders_like
 
 
 def _building_ahead(original: Callable) -> Callable:
@@ -61,13 +62,3 @@ FIXES = (
 )
 
 FIX_SET = FixSet(FIXES)
-
-
-def apply_fixes() -> list[str]:
-    """Applies the fix where the installed Keras needs it (idempotent); returns its name."""
-    return FIX_SET.apply()
-
-
-def active_fix_names() -> list[str]:
-    """Names of the fixes of this module currently applied."""
-    return FIX_SET.active_names()

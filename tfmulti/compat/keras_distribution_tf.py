@@ -33,7 +33,7 @@ from keras.src.distribution import distribution_lib
 from keras.src.layers.layer import Layer
 
 from tfmulti.compat import keras_whole_weights
-from tfmulti.compat.keras_multi_worker import Fix, apply_each, keras_version
+from tfmulti.compat.fixes import Fix, apply_each, keras_version
 from tfmulti.compat.versions import FIRST_UNCHECKED_KERAS
 
 # Checked on Keras 3.15.1 (tests/test_compat_keras_distribution.py); raise after checking.

@@ -18,7 +18,7 @@ from keras.src.backend.common import masking
 from keras.src.losses import loss as keras_loss
 from keras.src.models import functional as keras_functional
 
-from tfmulti.compat.keras_multi_worker import keras_version
+from tfmulti.compat.fixes import keras_version
 from tfmulti.compat.versions import FIRST_UNCHECKED_KERAS
 
 # Checked on Keras 3.15.1 by tests/test_compat_internals.py; setup.py allows no newer Keras.

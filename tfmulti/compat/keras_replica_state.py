@@ -26,7 +26,7 @@ import keras
 import tensorflow as tf
 from keras.src.layers.layer import Layer
 
-from tfmulti.compat.keras_multi_worker import Fix, FixSet
+from tfmulti.compat.fixes import Fix, FixSet
 
 
 def _mean_aggregation_under_strategies(original: Callable) -> Callable:
@@ -58,19 +58,9 @@ FIXES = (
     ),
 )
 
-_FIXES = FixSet(FIXES)
-
-
-def apply_fixes() -> list[str]:
-    """Applies the fix where the installed Keras needs it (idempotent); returns its name."""
-    return _FIXES.apply()
-
-
-def active_fix_names() -> list[str]:
-    """Names of the fixes of this module currently applied."""
-    return _FIXES.active_names()
+FIX_SET = FixSet(FIXES)
 
 
 def original_add_weight() -> Callable:
     """Keras' own `Layer.add_weight`, to check whether upstream still needs the fix."""
-    return _FIXES.original(FIXES[0].name)
+    return FIX_SET.original(FIXES[0].name)

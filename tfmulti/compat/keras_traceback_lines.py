@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from keras.src.utils import traceback_utils
 
-from tfmulti.compat.keras_multi_worker import Fix, FixSet
+from tfmulti.compat.fixes import Fix, FixSet
 
 
 def with_every_line_numbered(traceback: types.TracebackType | None):
@@ -66,19 +66,9 @@ FIXES = (
     ),
 )
 
-_FIXES = FixSet(FIXES)
-
-
-def apply_fixes() -> list[str]:
-    """Applies the fix where the installed Keras needs it (idempotent); returns its name."""
-    return _FIXES.apply()
-
-
-def active_fix_names() -> list[str]:
-    """Names of the fixes of this module currently applied."""
-    return _FIXES.active_names()
+FIX_SET = FixSet(FIXES)
 
 
 def original_process_traceback_frames() -> Callable:
     """Keras' own filtering of a traceback, to check whether upstream still needs the fix."""
-    return _FIXES.original(FIXES[0].name)
+    return FIX_SET.original(FIXES[0].name)
