@@ -212,7 +212,10 @@ def test_a_preempted_then_killed_group_restarts_and_ends_like_the_uninterrupted_
     assert launcher.returncode == 0, output[-3000:]
     assert "worker 0 was preempted and saved a checkpoint (code 42)" in output
     assert "worker 1 was killed by SIGKILL" in output
-    assert "Lost a worker: TensorFlow could not reach /job:worker/replica:0/task:1" in output
+    # Once (of many runs, under three xdist workers' load) the chief did not print this:
+    # the log's end shows what it said instead.
+    lost = "Lost a worker: TensorFlow could not reach /job:worker/replica:0/task:1"
+    assert lost in output, output[-4000:]
     after_preemption, after_kill = read_metrics(model_dir)["resumes"]
     assert after_preemption["epoch"] == 1 and after_preemption["step"] > 3
     assert (after_kill["epoch"], after_kill["step"]) == (2, 6)  # global step 18
